@@ -1,0 +1,131 @@
+"""`dynctl`: the command line. Subcommands are thin: parse, build `Settings`, call the library.
+
+Every engine flag is generated from a `Settings` field and has an environment twin (`--kv-blocks` /
+`DYN_KV_BLOCKS`), shown in `--help`. Exit codes: 0 success, 1 runtime failure, 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Any, get_args
+
+from dynserve.config import Settings
+from dynserve.errors import DynserveError, InvalidRequestError
+from dynserve.protocol import SamplingParams
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine (each flag has an env twin)")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"DYN_{name.upper()}"
+        help_text = f"{field.description} [env: {env}; default: {field.default}]"
+        if field.annotation is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            continue
+        choices = [c for c in get_args(field.annotation) if isinstance(c, str)] or None
+        group.add_argument(flag, default=None, choices=choices, metavar=name.upper(), help=help_text)
+
+
+def _settings_from(args: argparse.Namespace) -> Settings:
+    given: dict[str, Any] = {n: getattr(args, n) for n in Settings.model_fields if getattr(args, n) is not None}
+    return Settings(**given)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynctl", description="dynserve: distributed LLM serving")
+    parser.add_argument("--log-level", default="WARNING", help="logging level [default: WARNING]")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt and stream it to the terminal")
+    gen.add_argument("prompt", help="the user message (or raw text with --raw)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy [default: 0]")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--system", default=None, help="system prompt (chat mode)")
+    gen.add_argument("--raw", action="store_true", help="complete the text as is, no chat template")
+    gen.add_argument("--output", choices=["text", "json"], default="text")
+    _add_settings_flags(gen)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dynserve.engine.llm_engine import LLMEngine
+
+    settings = _settings_from(args)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    params.validate()
+    stages = ["loading tokenizer", "loading weights", "building model", "ready"]
+    with tqdm(total=len(stages), desc="loading model", file=sys.stderr, disable=args.output == "json",
+              bar_format="{desc}: {n}/{total} {bar} {elapsed}") as bar:
+
+        def progress(message: str) -> None:
+            bar.set_description(message)
+            bar.update(1)
+
+        engine = LLMEngine(settings, progress=progress)
+    if args.raw:
+        prompt = args.prompt
+    else:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        prompt = engine.tokenizer.apply_chat_template(messages)
+    start = time.perf_counter()
+    request_id = engine.add_request(prompt, params)
+    pieces, last = [], None
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            if delta.request_id != request_id:
+                continue
+            pieces.append(delta.text)
+            last = delta
+            if args.output == "text":
+                print(delta.text, end="", flush=True)
+    elapsed_s = time.perf_counter() - start
+    assert last is not None
+    if args.output == "json":
+        print(json.dumps({
+            "text": "".join(pieces), "finish_reason": last.finish_reason,
+            "prompt_tokens": last.num_prompt_tokens, "completion_tokens": last.num_output_tokens,
+            "elapsed_s": round(elapsed_s, 3),
+        }))
+    else:
+        print()
+        print(f"[{last.num_output_tokens} tokens in {elapsed_s:.2f} s, "
+              f"{last.num_output_tokens / elapsed_s:.1f} tok/s, finish: {last.finish_reason}]", file=sys.stderr)
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except InvalidRequestError as exc:
+        print(f"dynctl: invalid input: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except DynserveError as exc:
+        print(f"dynctl: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

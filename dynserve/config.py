@@ -1,0 +1,39 @@
+"""The one settings object. Every field can be set by an environment variable `DYN_<FIELD>` (for example
+`DYN_DTYPE=bfloat16`) and by the matching `dynctl` flag; nothing else in dynserve reads `os.environ`.
+Defaults are what a new user on a laptop needs: the bundled SmolLM2 model, fp32 on CPU, 1 GiB of KV cache.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "torch_dtype"]
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DYN_", extra="ignore", protected_namespaces=())
+
+    # ---- engine ----
+    model: str | None = Field(None, description="GGUF file or Hugging Face directory; default: bundled SmolLM2")
+    dtype: DType = Field("float32", description="weights and activations dtype")
+    device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu' or 'cuda[:N]'")
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; default: from kv_cache_gib")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size when kv_blocks is not given")
+    max_num_seqs: int = Field(64, ge=1, description="sequences batched together at most")
+    max_num_batched_tokens: int = Field(1024, ge=16, description="tokens computed per step at most")
+    max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
+    enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="'auto': triton on GPU")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
+    seed: int = Field(0, description="seed for requests that give none")
+
+
+def torch_dtype(name: DType) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

@@ -1,0 +1,238 @@
+"""KV-cache pages: allocation, reference counts, the prefix cache, eviction and KV events.
+
+The block manager owns block ids `0 .. num_blocks-1` of the worker's KV tensor (the tensor itself belongs to
+the model runner). Every block is in exactly one of three states:
+
+- used:      `ref_count > 0`, in one or more sequences' block tables;
+- evictable: `ref_count == 0` but holding a cached, hashed block (kept in LRU order, reusable on a hit);
+- free:      `ref_count == 0` and holding nothing.
+
+A full, computed block is registered under its chained hash; a later sequence whose prefix hashes the same
+reuses it after its token ids are confirmed equal, so a hash collision never serves the wrong block.
+Allocation takes free blocks first, then evicts the least recently freed cached block. Every change to the
+set of cached hashes is recorded as a numbered KV event in an outbox that the worker publishes.
+`check_integrity()` proves these invariants.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dynserve.engine.sequence import Sequence
+from dynserve.hashing import BlockHash
+from dynserve.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+__all__ = ["Block", "BlockManager"]
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None  # the tokens a cached block holds, to confirm hits
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, hash_salt: int = 0, enable_prefix_caching: bool = True
+    ) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hash_salt = hash_salt
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._hash_to_block: dict[BlockHash, int] = {}
+        self._events: list[KVEvent] = []
+        self._next_event_id = 0
+
+    # ---- capacity -------------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- allocation -----------------------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, num_reserved_blocks: int = 0) -> bool:
+        """Admit `seq`: reuse its cached prefix and allocate blocks for all its tokens.
+
+        Sets `seq.block_table` and `seq.num_computed_tokens` (the reused prefix). Returns False and changes
+        nothing when the blocks are not there with `num_reserved_blocks` still free afterwards (headroom for
+        running sequences to grow). At least one token is always left to compute.
+        """
+        assert not seq.block_table, "sequence already holds blocks"
+        hit_ids = self._match_prefix(seq)
+        num_needed = self.blocks_needed(seq.num_tokens) - len(hit_ids)
+        num_taken_from_cache = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)
+        if num_needed + num_taken_from_cache + num_reserved_blocks > self.num_free_blocks:
+            return False
+        for block_id in hit_ids:
+            self._ref(block_id)
+        seq.block_table = hit_ids + [self._take_block() for _ in range(num_needed)]
+        seq.num_computed_tokens = len(hit_ids) * self.block_size
+        seq.num_registered_blocks = len(hit_ids)
+        return True
+
+    def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq.block_table` to hold `num_tokens` tokens; False (nothing changed) if blocks run out."""
+        num_new = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if num_new <= 0:
+            return True
+        if num_new > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take_block() for _ in range(num_new))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, last block first so a sequence's tail is evicted before its prefix."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.block_hash is None:
+                    self._free.append(block_id)
+                else:
+                    self._evictable[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_registered_blocks = 0
+
+    # ---- prefix cache ---------------------------------------------------------------------------------
+
+    def _match_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of `seq`, confirmed token by token."""
+        if not self.enable_prefix_caching:
+            return []
+        seq.update_block_hashes(self.block_size, self.hash_salt)
+        hit_ids: list[int] = []
+        for i, block_hash in enumerate(seq.block_hashes):
+            block_id = self._hash_to_block.get(block_hash)
+            if block_id is None:
+                break
+            start = i * self.block_size
+            if self.blocks[block_id].token_ids != tuple(seq.token_ids[start : start + self.block_size]):
+                break  # a hash collision: never serve another prefix's KV
+            hit_ids.append(block_id)
+        if hit_ids and len(hit_ids) * self.block_size >= seq.num_tokens:
+            hit_ids.pop()  # the last token must be computed to produce logits
+        return hit_ids
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Offer `seq`'s full, computed blocks to the prefix cache (call after each step)."""
+        if self.enable_prefix_caching:
+            seq.update_block_hashes(self.block_size, self.hash_salt)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
+        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+            seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
+            return
+        run: list[BlockHash] = []
+        run_parent: BlockHash | None = None
+        for i in range(seq.num_registered_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            block_hash = seq.block_hashes[i]
+            if block.block_hash is None and block_hash not in self._hash_to_block:
+                start = i * self.block_size
+                block.block_hash = block_hash
+                block.token_ids = tuple(seq.token_ids[start : start + self.block_size])
+                self._hash_to_block[block_hash] = block.block_id
+                if not run:
+                    run_parent = seq.block_hashes[i - 1] if i > 0 else None
+                run.append(block_hash)
+            elif run:  # another block already caches this hash: close the run
+                self._emit_stored(run_parent, run)
+                run = []
+        if run:
+            self._emit_stored(run_parent, run)
+        seq.num_registered_blocks = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence uses (emits Cleared, then Stored for the in-use ones)."""
+        for block_id in list(self._evictable):
+            self._uncache(self.blocks[block_id])
+            self._free.append(block_id)
+        self._evictable.clear()
+        self._events.append(AllBlocksCleared(self._take_event_id()))
+        in_use = [b for b in self.blocks if b.block_hash is not None]
+        if in_use:
+            self._emit_stored(None, [b.block_hash for b in in_use if b.block_hash is not None])
+
+    def cached_block_hashes(self) -> list[int]:
+        """Snapshot of every cached hash (for a router resyncing after a gap)."""
+        return list(self._hash_to_block)
+
+    def drain_events(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- internals ------------------------------------------------------------------------------------
+
+    def _take_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._uncache(self.blocks[block_id])
+        self.blocks[block_id].ref_count = 1
+        return block_id
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def _uncache(self, block: Block) -> None:
+        assert block.block_hash is not None
+        del self._hash_to_block[block.block_hash]
+        self._events.append(BlockRemoved(self._take_event_id(), [block.block_hash]))
+        block.block_hash = None
+        block.token_ids = None
+
+    def _emit_stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
+        self._events.append(BlockStored(self._take_event_id(), parent, list(hashes)))
+
+    def _take_event_id(self) -> int:
+        event_id = self._next_event_id
+        self._next_event_id += 1
+        return event_id
+
+    def check_integrity(self, seqs: Iterable[Sequence] | None = None) -> None:
+        """Raise AssertionError unless free + evictable + used == total and the hash map agrees with the
+        blocks; with `seqs` (every sequence holding blocks), reference counts must equal table membership."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is listed free twice"
+        used = {b.block_id for b in self.blocks if b.ref_count > 0}
+        assert all(b.ref_count >= 0 for b in self.blocks), "negative reference count"
+        assert not (free & evictable) and not (free & used) and not (evictable & used), "block in two states"
+        assert len(free) + len(evictable) + len(used) == self.num_blocks, "free + used != total"
+        for block_hash, block_id in self._hash_to_block.items():
+            assert self.blocks[block_id].block_hash == block_hash, "hash map disagrees with block"
+        hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
+        assert hashed == set(self._hash_to_block.values()), "hashed block missing from the map"
+        assert evictable <= hashed and not (free & hashed), "uncached block evictable or cached block free"
+        if seqs is not None:
+            counts = [0] * self.num_blocks
+            for seq in seqs:
+                for block_id in seq.block_table:
+                    counts[block_id] += 1
+            assert counts == [b.ref_count for b in self.blocks], "reference counts != table membership"

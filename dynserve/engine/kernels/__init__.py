@@ -1,0 +1,75 @@
+"""Attention backends over the paged, block-major KV cache.
+
+The KV cache of a worker is one tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`
+(ARCHITECTURE.md). A step's tokens are packed without padding: `query` is `[num_tokens, num_heads,
+head_dim]`, sequence i owns rows `query_start_loc[i]:query_start_loc[i+1]`, and those rows sit at positions
+`seq_lens[i] - query_len_i ... seq_lens[i] - 1` of the sequence. Every backend implements
+
+    forward(query, key, value, kv_cache, layer, meta, scale) -> output [num_tokens, num_heads, head_dim]
+
+which first writes the step's `key`/`value` into the cache at `meta.slot_mapping` and then attends each
+query row causally over its sequence's whole context (cached prefix included) through `meta.block_tables`.
+
+- `torch_attention`: the CPU serving path and the reference the Triton kernels are tested against.
+- `triton_attention`: Triton kernels for GPUs (run on CPU only under TRITON_INTERPRET=1, for tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AttentionMetadata"]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where a packed step's tokens come from and go to.
+
+    `slot_mapping[t]` is `block_id * block_size + offset` of token t's K/V slot. `block_tables[i]` lists
+    sequence i's blocks in order, padded with 0 past the blocks it uses. Host-side lists mirror the small
+    tensors so the torch path never synchronizes to read them.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks] int32
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata for sequences with these query lengths, context lengths and block lists."""
+        query_start_loc = [0]
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
+            query_start_loc.append(query_start_loc[-1] + q_len)
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(len(padded), max_blocks),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=list(seq_lens),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )

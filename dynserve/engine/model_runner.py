@@ -1,0 +1,105 @@
+"""Tensors and kernels: the model, the KV cache tensor, the attention backend, and one step's inputs.
+
+The runner turns a scheduled batch into packed inputs (token ids, positions, slot mapping, block tables),
+runs the model, and samples one token for each sequence whose every token is now computed. It owns the KV
+cache tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; the block manager owns which
+block ids are in use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+from dynserve.engine.kernels import AttentionMetadata
+from dynserve.engine.loader import ModelConfig
+from dynserve.engine.models.llama import LlamaForCausalLM
+from dynserve.engine.sampler import SampleResult, sample
+from dynserve.engine.scheduler import ScheduledBatch
+from dynserve.engine.sequence import Sequence
+
+__all__ = ["ModelRunner", "kv_block_size_bytes", "select_attention_backend"]
+
+logger = logging.getLogger(__name__)
+
+
+def kv_block_size_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+def select_attention_backend(name: str, device: torch.device) -> ModuleType:
+    """'torch', 'triton', or 'auto' (Triton on CUDA when it imports, torch otherwise)."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    return importlib.import_module(f"dynserve.engine.kernels.{name}_attention")
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        attention_backend: str = "auto",
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.attention = select_attention_backend(attention_backend, device)
+        self.kv_cache = torch.zeros(
+            num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
+            dtype=model.dtype, device=device,
+        )
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
+            num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
+            self.attention.__name__.rsplit(".", 1)[-1],
+        )
+
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
+        """Run one step. Returns the sequences that sampled a token and their samples (in that order)."""
+        logits, sampling = self._forward(batch)
+        if not sampling:
+            return [], None
+        return sampling, sample(logits.cpu(), sampling)
+
+    def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
+        """fp32 logits after the last token of each sequence (each must be scheduled to its end)."""
+        logits, sampling = self._forward(batch)
+        if len(sampling) != len(batch.seqs):
+            raise ValueError("every sequence must be scheduled up to its last token")
+        return logits.cpu()
+
+    def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[Sequence] = []
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + num_new])
+            positions.extend(range(start, start + num_new))
+            seq_lens.append(start + num_new)
+            if start + num_new == seq.num_tokens:
+                logits_indices.append(len(input_ids) - 1)
+                sampling.append(seq)
+        meta = AttentionMetadata.build(
+            batch.num_new_tokens, seq_lens, [s.block_table for s in batch.seqs], self.block_size, self.device
+        )
+        with torch.inference_mode():
+            logits = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=self.device),
+                torch.tensor(positions, dtype=torch.long, device=self.device),
+                self.kv_cache,
+                meta,
+                self.attention,
+                torch.tensor(logits_indices, dtype=torch.long, device=self.device),
+            )
+        return logits, sampling

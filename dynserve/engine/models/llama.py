@@ -1,0 +1,121 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral without sliding window) over packed, unpadded batches.
+
+Input is a flat list of tokens from many sequences with their positions; attention goes through a backend
+(`dynserve.engine.kernels`) that reads and writes the paged KV cache. Q/K/V and gate/up projections are
+fused into one matmul each. Logits are computed only for the rows asked for (the last token of each
+sequence that samples), which keeps prefill from paying for a vocabulary-sized matmul per token.
+"""
+
+from __future__ import annotations
+
+import math
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dynserve.engine.kernels import AttentionMetadata
+from dynserve.engine.loader import ModelConfig
+
+__all__ = ["LlamaForCausalLM"]
+
+
+def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(medium, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+class _DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        h, q_dim, kv_dim = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.input_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.ones(h, dtype=dtype), requires_grad=False)
+        self.qkv_proj = nn.Parameter(torch.empty(q_dim + 2 * kv_dim, h, dtype=dtype), requires_grad=False)
+        self.o_proj = nn.Parameter(torch.empty(h, q_dim, dtype=dtype), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * config.intermediate_size, h, dtype=dtype), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(h, config.intermediate_size, dtype=dtype), requires_grad=False)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(_DecoderLayer(config, dtype) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head: torch.Tensor = self.embed_tokens
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
+        self.register_buffer("inv_freq", _rope_inv_freq(config).float(), persistent=False)
+        self.scale = config.head_dim**-0.5
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face Llama checkpoints, fusing Q/K/V and gate/up."""
+        with torch.no_grad():
+            self.embed_tokens.copy_(state["model.embed_tokens.weight"])
+            self.norm.copy_(state["model.norm.weight"])
+            if not self.config.tie_word_embeddings:
+                self.lm_head.copy_(state["lm_head.weight"])
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.input_norm.copy_(state[p + "input_layernorm.weight"])
+                layer.post_attn_norm.copy_(state[p + "post_attention_layernorm.weight"])
+                layer.qkv_proj.copy_(torch.cat([state[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+                layer.o_proj.copy_(state[p + "self_attn.o_proj.weight"])
+                layer.gate_up_proj.copy_(torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
+                layer.down_proj.copy_(state[p + "mlp.down_proj.weight"])
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rope on `[tokens, heads, head_dim]` (Hugging Face layout)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        c, s = cos[:, None, :], sin[:, None, :]
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        attention: ModuleType,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the packed tokens through the model; return fp32 logits of the rows in `logits_indices`."""
+        cfg = self.config
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        cos, sin = self._rope(positions)
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        n = hidden.shape[0]
+        for layer_idx, layer in enumerate(self.layers):
+            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv_proj)
+            q = self._apply_rope(qkv[:, :q_dim].view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self._apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = qkv[:, q_dim + kv_dim :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            attn = attention.forward(q, k, v, kv_cache, layer_idx, meta, self.scale)
+            hidden = hidden + F.linear(attn.reshape(n, q_dim), layer.o_proj)
+            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attn_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
+            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
+        last = F.rms_norm(hidden[logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()

@@ -1,0 +1,413 @@
+"""Text <-> token ids for the engine: encoding, decoding, streaming detokenization and chat templates.
+
+A `Tokenizer` is built either from a GGUF file's metadata (`tokenizer.ggml.*`) or from a Hugging Face
+directory (`tokenizer.json`, `tokenizer_config.json`), and in both cases wraps a `tokenizers.Tokenizer`.
+Only byte-level BPE (GPT-2 style: SmolLM, Llama 3, Qwen, ...) is supported.
+
+Invariants kept here:
+- `encode` never inserts special tokens except one leading BOS when the model asks for it
+  (`add_bos_token`); special-token text such as "<|im_start|>" in the input encodes to its single id.
+- Every token id maps to exactly the bytes the byte-level decoder gives it, so
+  `IncrementalDetokenizer` (which works on bytes) always agrees with `decode` on the whole sequence,
+  and never emits half of a UTF-8 character.
+- Chat templates render exactly as `transformers`' `apply_chat_template(..., tokenize=False)` does.
+
+The GGUF metadata is parsed here directly (header and key/value section only): `gguf.GGUFReader` builds a
+numpy view per array element and needs seconds for a 49k-token vocabulary.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import mmap
+import os
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import numpy as np
+import tokenizers
+from gguf.constants import GGUF_MAGIC, GGUFValueType
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from dynserve.errors import TokenizerError
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+
+_GGUF_TOKEN_TYPE_CONTROL = 3  # special tokens such as <|im_start|>: matched in text, skippable in decode
+_GGUF_TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are ordinary text: matched in text, always decoded
+_GGUF_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
+}  # fmt: skip
+
+
+# --- GGUF metadata ------------------------------------------------------------------------------------
+
+
+def _read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every key/value pair of a little-endian GGUF (v2 or v3) file; tensors are not touched."""
+    try:
+        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
+            magic, version, _num_tensors, num_kvs = struct.unpack_from("<IIQQ", buffer, 0)
+            if magic != GGUF_MAGIC:
+                raise TokenizerError(f"{path} is not a GGUF file (bad magic {magic:#x})")
+            if version not in (2, 3):
+                raise TokenizerError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
+            metadata: dict[str, Any] = {}
+            offset = struct.calcsize("<IIQQ")
+            for _ in range(num_kvs):
+                key, offset = _read_gguf_string(buffer, offset)
+                (value_type,), offset = struct.unpack_from("<I", buffer, offset), offset + 4
+                metadata[key], offset = _read_gguf_value(buffer, offset, value_type)
+            return metadata
+    except (OSError, ValueError, struct.error) as exc:
+        raise TokenizerError(f"cannot read GGUF metadata from {path}: {exc}") from exc
+
+
+def _read_gguf_string(buffer: mmap.mmap, offset: int) -> tuple[str, int]:
+    (num_bytes,) = struct.unpack_from("<Q", buffer, offset)
+    start = offset + 8
+    return buffer[start : start + num_bytes].decode("utf-8"), start + num_bytes
+
+
+def _read_gguf_value(buffer: mmap.mmap, offset: int, value_type: int) -> tuple[Any, int]:
+    if value_type == GGUFValueType.STRING:
+        return _read_gguf_string(buffer, offset)
+    if value_type in _GGUF_SCALAR_FORMATS:
+        value_format = _GGUF_SCALAR_FORMATS[value_type]
+        return struct.unpack_from(value_format, buffer, offset)[0], offset + struct.calcsize(value_format)
+    if value_type != GGUFValueType.ARRAY:
+        raise ValueError(f"unknown GGUF value type {value_type} at byte {offset}")
+    element_type, num_elements = struct.unpack_from("<IQ", buffer, offset)
+    offset += 12
+    if element_type in _GGUF_SCALAR_FORMATS:
+        dtype = np.dtype(_GGUF_SCALAR_FORMATS[element_type])
+        values = np.frombuffer(buffer, dtype=dtype, count=num_elements, offset=offset).tolist()
+        return values, offset + dtype.itemsize * num_elements
+    elements = []
+    for _ in range(num_elements):
+        element, offset = _read_gguf_value(buffer, offset, element_type)
+        elements.append(element)
+    return elements, offset
+
+
+# --- byte-level bytes of each token ---------------------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's reversible map from printable stand-in characters back to the 256 byte values."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    char_to_byte = {chr(byte): byte for byte in printable}
+    num_extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            char_to_byte[chr(256 + num_extra)] = byte
+            num_extra += 1
+    return char_to_byte
+
+
+def _token_bytes_table(raw: tokenizers.Tokenizer, vocab_size: int) -> tuple[bytes, ...]:
+    """The bytes the ByteLevel decoder produces for each id (a token whose characters are not all in
+    the byte alphabet, such as an added token "<|im start|>" with a space, decodes to its own UTF-8)."""
+    char_to_byte = _byte_level_alphabet()
+    table = []
+    for token_id in range(vocab_size):
+        token = raw.id_to_token(token_id)
+        if token is None:
+            raise TokenizerError(f"the vocabulary has a hole at id {token_id}")
+        try:
+            table.append(bytes(char_to_byte[char] for char in token))
+        except KeyError:
+            table.append(token.encode("utf-8"))
+    return tuple(table)
+
+
+# --- chat templates -----------------------------------------------------------------------------------
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile the way transformers does: sandboxed, trim/lstrip blocks, its globals and `tojson`."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:  # unlike jinja's own tojson, no HTML escaping
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(date_format: str) -> str:
+        return datetime.now().strftime(date_format)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    try:
+        return environment.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"the chat template does not compile: {exc}") from exc
+
+
+def _plain_message(message: Any, index: int) -> dict[str, Any]:
+    """A copy of one chat message whose list-of-parts content is joined into one string.
+
+    Text parts are joined with "\\n" (as vLLM does for string-content templates); other part types
+    (images, audio) are rejected since the engine is text-only.
+    """
+    if not isinstance(message, dict) or "role" not in message:
+        raise TokenizerError(f"message {index} must be a dict with a 'role', got {message!r}")
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise TokenizerError(f"message {index}: only text content parts are supported, got {part!r}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+# --- the tokenizer --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _SpecialTokens:
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos_token: bool
+
+
+class Tokenizer:
+    """Encode, decode and chat-render for one model; immutable and safe to share between threads."""
+
+    def __init__(self, raw: tokenizers.Tokenizer, special: _SpecialTokens, chat_template: str | None) -> None:
+        self._raw = raw
+        self.vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = special.bos_token_id
+        self.eos_token_id = special.eos_token_id
+        self.add_bos_token = special.add_bos_token
+        self.chat_template = chat_template
+        self._token_bytes = _token_bytes_table(raw, self.vocab_size)
+        self._special_ids = frozenset(
+            token_id for token_id, added in raw.get_added_tokens_decoder().items() if added.special
+        )
+        for name, token_id in (("bos", self.bos_token_id), ("eos", self.eos_token_id)):
+            if token_id is not None and not 0 <= token_id < self.vocab_size:
+                message = f"{name}_token_id {token_id} is outside the vocabulary of {self.vocab_size}"
+                raise TokenizerError(message)
+
+    # construction
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From a `.gguf` file or a Hugging Face model directory."""
+        path = Path(path)
+        if path.is_file() and path.suffix == ".gguf":
+            return cls.from_gguf(path)
+        if path.is_dir():
+            return cls.from_pretrained_dir(path)
+        raise TokenizerError(f"{path} is neither a .gguf file nor a model directory with tokenizer.json")
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        metadata = _read_gguf_metadata(path)
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2" or "tokenizer.ggml.tokens" not in metadata:
+            raise TokenizerError(f"{path}: tokenizer model {model!r} is not supported (only byte-level gpt2)")
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
+        raw = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
+        raw.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])  # fmt: skip
+        raw.decoder = decoders.ByteLevel()
+        token_types = metadata.get("tokenizer.ggml.token_type", [])
+        raw.add_special_tokens(_added_tokens(tokens, token_types, _GGUF_TOKEN_TYPE_CONTROL, special=True))
+        raw.add_tokens(_added_tokens(tokens, token_types, _GGUF_TOKEN_TYPE_USER_DEFINED, special=False))
+        special = _SpecialTokens(
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        )
+        return cls(raw, special, metadata.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From `tokenizer.json`, plus `tokenizer_config.json` (BOS/EOS, add_bos_token, chat template)
+        and `chat_template.jinja` when present."""
+        path = Path(path)
+        try:
+            raw = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises a bare Exception for missing or malformed files
+            raise TokenizerError(f"cannot read {path / 'tokenizer.json'}: {exc}") from exc
+        config = _read_json_if_present(path / "tokenizer_config.json")
+        template_path = path / "chat_template.jinja"
+        chat_template = template_path.read_text("utf-8") if template_path.exists() else None
+        decoder = json.loads(raw.to_str()).get("decoder") or {}
+        if decoder.get("type") != "ByteLevel":
+            raise TokenizerError(f"{path}: decoder {decoder.get('type')!r} is not supported (only ByteLevel)")
+        bos_token_id = _config_token_id(raw, config.get("bos_token"))
+        add_bos_token = config.get("add_bos_token")
+        if add_bos_token is None:  # tokenizer.json's post-processor decides, as in transformers
+            add_bos_token = bos_token_id is not None and raw.encode("").ids[:1] == [bos_token_id]
+        special = _SpecialTokens(bos_token_id, _config_token_id(raw, config.get("eos_token")), add_bos_token)
+        return cls(raw, special, chat_template or _config_chat_template(config.get("chat_template")))
+
+    # encoding and decoding
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; one BOS in front only when the model's `add_bos_token` says so."""
+        token_ids = self._raw.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and self.bos_token_id is not None:
+            return [self.bos_token_id, *token_ids]
+        return token_ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`; bytes that do not form valid UTF-8 become U+FFFD."""
+        token_ids = list(token_ids)
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
+            bad = next(i for i in token_ids if not 0 <= i < self.vocab_size)
+            raise TokenizerError(f"token id {bad} is outside the vocabulary of {self.vocab_size}")
+        return self._raw.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_str(self, token_id: int) -> str:
+        """The text of one token alone (for logprobs display); a partial UTF-8 character shows as U+FFFD."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token contributes to decoded text."""
+        if not 0 <= token_id < self.vocab_size:
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary of {self.vocab_size}")
+        return self._token_bytes[token_id]
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh streaming decoder for one output sequence."""
+        skipped_ids = self._special_ids if skip_special_tokens else frozenset()
+        return IncrementalDetokenizer(self._token_bytes, skipped_ids)
+
+    # chat
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, rendered like transformers' `apply_chat_template`."""
+        if self.chat_template is None:
+            raise TokenizerError("this model has no chat template; send a plain completion prompt instead")
+        context: dict[str, Any] = {
+            "messages": [_plain_message(message, i) for i, message in enumerate(messages)],
+            "tools": None,
+            "documents": None,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        for name, token_id in (("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id)):
+            if token_id is not None:
+                context[name] = self._raw.id_to_token(token_id)
+        try:
+            return self._compiled_chat_template.render(**context)
+        except Exception as exc:  # the template is the model's code: any failure in it (TypeError on a
+            # None content, raise_exception, a sandbox violation) is a rendering failure for the caller
+            raise TokenizerError(f"the chat template failed to render: {exc}") from exc
+
+    @cached_property
+    def _compiled_chat_template(self) -> jinja2.Template:
+        assert self.chat_template is not None
+        return _compile_chat_template(self.chat_template)
+
+
+def _added_tokens(
+    tokens: list[str], token_types: list[int], wanted_type: int, special: bool
+) -> list[AddedToken]:
+    """The GGUF tokens of one token type, as tokenizers' added tokens (matched whole in input text)."""
+    return [
+        AddedToken(tokens[token_id], special=special, normalized=False)
+        for token_id, token_type in enumerate(token_types)
+        if token_type == wanted_type
+    ]
+
+
+def _read_json_if_present(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TokenizerError(f"cannot read {path}: {exc}") from exc
+
+
+def _config_token_id(raw: tokenizers.Tokenizer, token: str | dict[str, Any] | None) -> int | None:
+    """The id of a tokenizer_config.json special token, given as text or as a serialized AddedToken."""
+    content = token.get("content") if isinstance(token, dict) else token
+    return None if content is None else raw.token_to_id(content)
+
+
+def _config_chat_template(template: str | list[dict[str, str]] | None) -> str | None:
+    """tokenizer_config.json holds either one template or a list of named ones ("default" is used)."""
+    if template is None or isinstance(template, str):
+        return template
+    named = {entry.get("name"): entry.get("template") for entry in template}
+    return named.get("default")
+
+
+# --- streaming detokenization -------------------------------------------------------------------------
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces, one `push` per token.
+
+    Works on bytes: each token's bytes go through an incremental UTF-8 decoder that holds back an
+    incomplete trailing character until its remaining bytes arrive, so no piece ever ends in half a
+    character and the cost per token is the size of that token. The concatenation of all pieces plus
+    `flush()` equals `Tokenizer.decode` of the same ids.
+    """
+
+    def __init__(self, token_bytes: tuple[bytes, ...], skipped_ids: frozenset[int]) -> None:
+        self._token_bytes = token_bytes
+        self._skipped_ids = skipped_ids
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._unjoined_pieces: list[str] = []
+        self._joined = ""
+
+    def push(self, token_id: int) -> str:
+        """The text newly completed by `token_id` (often "", e.g. for the first bytes of an emoji)."""
+        if not 0 <= token_id < len(self._token_bytes):
+            raise TokenizerError(f"token id {token_id} is outside the vocabulary of {len(self._token_bytes)}")
+        if token_id in self._skipped_ids:
+            return ""
+        return self._emit(self._utf8.decode(self._token_bytes[token_id]))
+
+    def flush(self) -> str:
+        """Whatever is still held at the end of the stream; incomplete bytes become U+FFFD."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        if self._unjoined_pieces:
+            self._joined += "".join(self._unjoined_pieces)
+            self._unjoined_pieces.clear()
+        return self._joined
+
+    def _emit(self, piece: str) -> str:
+        if piece:
+            self._unjoined_pieces.append(piece)
+        return piece

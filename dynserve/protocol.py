@@ -1,0 +1,104 @@
+"""Wire types shared across processes: sampling parameters, token deltas, KV events.
+
+Everything here is a `msgspec.Struct` so it travels as MessagePack between the gateway, workers and the
+router. KV events form a tagged union; each carries its worker's sequence number (`event_id`) so a consumer
+can detect gaps and resync from a snapshot.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from dynserve.errors import InvalidRequestError
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "MAX_TOP_LOGPROBS",
+    "SamplingParams",
+    "TokenDelta",
+    "TokenLogprob",
+]
+
+MAX_TOP_LOGPROBS = 5
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick tokens and when to stop. `temperature == 0` is greedy; `top_k=None` keeps all tokens;
+    `logprobs=None` returns none, `0` the chosen token's only, `k` also the top k (k <= 5)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad parameter."""
+        checks = [
+            ("max_tokens", self.max_tokens >= 1, "must be at least 1"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be between 0 and 2"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
+            ("top_k", self.top_k is None or self.top_k >= 1, "must be at least 1"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be between -2 and 2"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be between -2 and 2"),
+            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"must be between 0 and {MAX_TOP_LOGPROBS}"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        ]
+        for param, ok, why in checks:
+            if not ok:
+                raise InvalidRequestError(f"{param} {why}", param=param)
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+class TokenDelta(msgspec.Struct, kw_only=True):
+    """What one engine step produced for one request. `text` is the newly completed text (never half a
+    UTF-8 character); usage counts are cumulative."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+class BlockStored(msgspec.Struct, tag="stored", array_like=True):
+    """Blocks newly cached, in chain order; `parent_hash` is the hash before the first (None at the root)."""
+
+    event_id: int
+    parent_hash: int | None
+    block_hashes: list[int]
+
+
+class BlockRemoved(msgspec.Struct, tag="removed", array_like=True):
+    event_id: int
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, tag="cleared", array_like=True):
+    event_id: int
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

