@@ -142,7 +142,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             seq.update_block_hashes(self.block_size, self.hash_salt)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
-        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+        if not self.enable_prefix_caching or not seq.cacheable or num_full <= seq.num_registered_blocks:
             seq.num_registered_blocks = max(seq.num_registered_blocks, num_full)
             return
         run: list[BlockHash] = []
@@ -158,23 +158,32 @@ class BlockManager:
                 if not run:
                     run_parent = seq.block_hashes[i - 1] if i > 0 else None
                 run.append(block_hash)
-            elif run:  # another block already caches this hash: close the run
-                self._emit_stored(run_parent, run)
-                run = []
+            else:
+                if run:  # another block already caches this hash: close the run
+                    self._emit_stored(run_parent, run)
+                    run = []
+                cached = self.blocks[self._hash_to_block[block_hash]] if block.block_hash is None else block
+                start = i * self.block_size
+                if cached.token_ids != tuple(seq.token_ids[start : start + self.block_size]):
+                    # A hash collision: every later block's KV depends on this one, so none of this
+                    # sequence's later blocks may be cached under this chain.
+                    seq.cacheable = False
+                    num_full = i
+                    break
         if run:
             self._emit_stored(run_parent, run)
         seq.num_registered_blocks = num_full
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block that no sequence uses (emits Cleared, then Stored for the in-use ones)."""
-        for block_id in list(self._evictable):
-            self._uncache(self.blocks[block_id])
-            self._free.append(block_id)
+        """Forget every cached block (emits Cleared). Blocks in use stay with their sequences, uncached."""
+        for block in self.blocks:
+            if block.block_hash is not None:
+                block.block_hash = None
+                block.token_ids = None
+        self._free.extend(self._evictable)
         self._evictable.clear()
+        self._hash_to_block.clear()
         self._events.append(AllBlocksCleared(self._take_event_id()))
-        in_use = [b for b in self.blocks if b.block_hash is not None]
-        if in_use:
-            self._emit_stored(None, [b.block_hash for b in in_use if b.block_hash is not None])
 
     def cached_block_hashes(self) -> list[int]:
         """Snapshot of every cached hash (for a router resyncing after a gap)."""

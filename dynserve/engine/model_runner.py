@@ -67,7 +67,8 @@ class ModelRunner:
         logits, sampling = self._forward(batch)
         if not sampling:
             return [], None
-        return sampling, sample(logits.cpu(), sampling)
+        with torch.inference_mode():
+            return sampling, sample(logits.cpu(), sampling)
 
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits after the last token of each sequence (each must be scheduled to its end)."""

@@ -126,6 +126,8 @@ class Scheduler:
     def complete_step(self, batch: ScheduledBatch) -> None:
         """Record that the batch's tokens now have KV in the cache and cache the blocks they filled."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted after it was scheduled
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed_blocks(seq)
 

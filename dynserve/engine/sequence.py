@@ -37,6 +37,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading blocks of the table already offered to the prefix cache
+    cacheable: bool = True  # False once a hash collision was met: later blocks are never cached
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrival_time_s: float = field(default_factory=time.monotonic)

@@ -1,0 +1,85 @@
+"""Helpers every benchmark shares: the commit and machine a result came from, progress lines, timing,
+percentiles, and writing the result JSON (last stdout line plus a file under `benchmarks/results/`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["RESULTS_DIR", "best_time_s", "git_commit", "log", "machine_info", "percentile", "write_result"]
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+T = TypeVar("T")
+
+
+def log(message: str) -> None:
+    """A human-readable progress line on stderr (stdout's last line is reserved for the JSON result)."""
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def git_commit() -> str | None:
+    """HEAD of the repository the benchmark runs from, or None outside a git checkout."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_num_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def best_time_s(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
+    """The fastest of `repeats` timed calls (least disturbed by other load) and the last call's result."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result  # type: ignore[return-value]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated q-th percentile (0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def write_result(name: str, result: Mapping[str, Any], output: Path | None = None) -> Path:
+    """Write `result` to `output` (default `benchmarks/results/<name>-<timestamp>.json`) and print it as
+    the last stdout line. Returns the file written."""
+    path = output or RESULTS_DIR / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, sort_keys=True)
+    path.write_text(text + "\n")
+    log(f"wrote {path}")
+    print(text, flush=True)
+    return path
