@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -20,8 +20,6 @@ __all__ = ["RESULTS_DIR", "best_time_s", "git_commit", "log", "machine_info", "p
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-
-T = TypeVar("T")
 
 
 def log(message: str) -> None:
@@ -33,7 +31,8 @@ def git_commit() -> str | None:
     """HEAD of the repository the benchmark runs from, or None outside a git checkout."""
     try:
         done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+            ["git", "rev-parse", "HEAD"], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10,
+            check=True,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -49,17 +48,18 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_num_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_avg_1m": os.getloadavg()[0],  # other work on the machine skews timings; judge by this
     }
 
 
-def best_time_s(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
-    """The fastest of `repeats` timed calls (least disturbed by other load) and the last call's result."""
-    best, result = float("inf"), None
+def best_time_s(fn: Callable[[], object], repeats: int) -> float:
+    """The fastest of `repeats` timed calls: the one least disturbed by other load on the machine."""
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        result = fn()
+        fn()
         best = min(best, time.perf_counter() - start)
-    return best, result  # type: ignore[return-value]
+    return best
 
 
 def percentile(values: list[float], q: float) -> float | None:

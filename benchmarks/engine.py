@@ -13,11 +13,14 @@ What it measures (same model file, dtype, thread count and greedy decoding for e
 Requests use random token ids (no special ids) and `ignore_eos`, so every request yields exactly its output
 length and no prefix is shared. Read `ratio_vs_hf_*` (dynserve tok/s / baseline tok/s) and
 `prefill_ratio_vs_hf` (HF prefill time / dynserve prefill time): above 1 means dynserve is faster.
-`workloads` says which requests each number came from; `greedy_match` says how many of the HF sequential
-requests produced the very tokens dynserve produced (a check that both did the same work).
+`workloads` says which requests each number came from; `greedy_match_requests` says how many of the HF
+sequential requests produced the very tokens dynserve produced (a check that both did the same work).
+`machine.load_avg_1m` (at the end) tells whether other work on the machine may have skewed the timings.
 
-`--quick` shrinks the workload to fit about 90 s on a 2-core CPU: a smaller dynserve/static workload and a
-two-request subset with capped outputs for HF sequential (its tok/s is a rate, so a subset estimates it).
+The full workload is 32 requests, prompts of 64..512 tokens, outputs of 32..128. `--quick` fits about 90 s
+on a quiet 2-core CPU: the same length distributions but 8 requests (one static batch) for dynserve and HF
+static, and the first 2 of them for HF sequential (its tok/s is a rate; a subset estimates it). With only
+8 requests in flight dynserve batches less, so quick ratios understate the full run's.
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/engine-<timestamp>.json`.
 """
 
@@ -56,7 +59,7 @@ class Plan:
 
 
 FULL_PLAN = Plan(32, (64, 512), (32, 128), None, None, num_prefill_repeats=5)
-QUICK_PLAN = Plan(16, (64, 256), (16, 48), 2, 16, num_prefill_repeats=3)
+QUICK_PLAN = Plan(8, (64, 512), (32, 128), 2, None, num_prefill_repeats=2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +98,13 @@ def make_workload(plan: Plan, vocab_size: int, seed: int) -> Workload:
     return Workload(prompts, outputs)
 
 
+def _check_lengths(system: str, output_ids: list[list[int]], workload: Workload) -> None:
+    """Rates compare only if every request produced exactly its output length."""
+    got = [len(o) for o in output_ids]
+    if got != workload.output_lens:
+        raise RuntimeError(f"{system} produced {got} tokens, expected {workload.output_lens}")
+
+
 def random_prompt(length: int, vocab_size: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(NUM_SPECIAL_IDS, vocab_size) for _ in range(length)]
@@ -122,7 +132,7 @@ def run_dynserve(engine: LLMEngine, workload: Workload) -> dict[str, Any]:
             output_ids[i].extend(delta.token_ids)
             ttft_s[i] = now if ttft_s[i] is None else ttft_s[i]
     total_s = time.perf_counter() - start
-    assert [len(o) for o in output_ids] == workload.output_lens, "a request stopped short of its length"
+    _check_lengths("dynserve", output_ids, workload)
     num_generated = sum(workload.output_lens)
     prompt_tokens = workload.describe()["num_prompt_tokens"]
     return {
@@ -150,7 +160,7 @@ def bench_dynserve(args: argparse.Namespace, plan: Plan) -> tuple[dict[str, Any]
     log(f"dynserve: {run['tok_s']:.1f} tok/s, {run['total_s']:.1f}s, TTFT p50 {run['ttft_p50_ms']:.0f} ms")
     prefill_ids = random_prompt(PREFILL_LEN, vocab_size, args.seed + 2)
     engine.compute_logits([prefill_ids])  # warm-up at this length
-    prefill_s, _ = best_time_s(lambda: engine.compute_logits([prefill_ids]), plan.num_prefill_repeats)
+    prefill_s = best_time_s(lambda: engine.compute_logits([prefill_ids]), plan.num_prefill_repeats)
     log(f"dynserve prefill {PREFILL_LEN} tokens: {1000 * prefill_s:.0f} ms")
     output_ids = run.pop("output_ids")
     return {**run, "prefill_s": prefill_s}, workload, output_ids
@@ -188,7 +198,7 @@ def run_hf_sequential(model: Any, workload: Workload) -> dict[str, Any]:
     output_ids = [hf_generate(model, [p], n)[0]
                   for p, n in zip(workload.prompt_token_ids, workload.output_lens, strict=True)]
     total_s = time.perf_counter() - start
-    assert [len(o) for o in output_ids] == workload.output_lens, "HF stopped short of the requested length"
+    _check_lengths("HF sequential", output_ids, workload)
     num_generated = sum(workload.output_lens)
     return {"tok_s": num_generated / total_s, "total_s": total_s, "output_ids": output_ids}
 
@@ -222,7 +232,7 @@ def bench_hf(args: argparse.Namespace, plan: Plan, workload: Workload) -> tuple[
     log(f"HF static: {static['tok_s']:.1f} useful tok/s, {static['total_s']:.1f}s")
     prefill_ids = random_prompt(PREFILL_LEN, model.config.vocab_size, args.seed + 2)
     hf_prefill(model, prefill_ids)  # warm-up at this length
-    prefill_s, _ = best_time_s(lambda: hf_prefill(model, prefill_ids), plan.num_prefill_repeats)
+    prefill_s = best_time_s(lambda: hf_prefill(model, prefill_ids), plan.num_prefill_repeats)
     log(f"HF prefill {PREFILL_LEN} tokens: {1000 * prefill_s:.0f} ms")
     result = {"sequential": seq, "static": static, "prefill_s": prefill_s,
               "attn_implementation": getattr(model.config, "_attn_implementation", None)}
@@ -237,7 +247,7 @@ def count_greedy_matches(dyn_output_ids: list[list[int]], hf_output_ids: list[li
     return sum(hf == dyn[:len(hf)] for dyn, hf in zip(dyn_output_ids, hf_output_ids))
 
 
-def summarize(args: argparse.Namespace, dyn: dict[str, Any], hf: dict[str, Any],
+def summarize(args: argparse.Namespace, plan: Plan, dyn: dict[str, Any], hf: dict[str, Any],
               workload: Workload, sequential: Workload, greedy_match: int) -> dict[str, Any]:
     seq, static = hf["sequential"], hf["static"]
     return {
@@ -253,11 +263,13 @@ def summarize(args: argparse.Namespace, dyn: dict[str, Any], hf: dict[str, Any],
         "ratio_vs_hf_sequential": dyn["tok_s"] / seq["tok_s"],
         "ratio_vs_hf_static": dyn["tok_s"] / static["tok_s"],
         "prefill_len": PREFILL_LEN,
-        "dynserve_prefill_tok_s": PREFILL_LEN / dyn["prefill_s"], "hf_prefill_tok_s": PREFILL_LEN / hf["prefill_s"],
+        "dynserve_prefill_tok_s": PREFILL_LEN / dyn["prefill_s"],
+        "hf_prefill_tok_s": PREFILL_LEN / hf["prefill_s"],
         "prefill_ratio_vs_hf": hf["prefill_s"] / dyn["prefill_s"],
-        "greedy_match": f"{greedy_match}/{sequential.num_requests}",
+        "greedy_match_requests": greedy_match, "greedy_compared_requests": sequential.num_requests,
         "workloads": {"dynserve": workload.describe(), "hf_static": workload.describe(),
-                      "hf_sequential": sequential.describe()},
+                      "hf_sequential": sequential.describe(),
+                      "prefill": {"prompt_len": PREFILL_LEN, "best_of": plan.num_prefill_repeats}},
     }
 
 
@@ -269,7 +281,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"requests in the workload (default {FULL_PLAN.num_requests}, "
                              f"--quick {QUICK_PLAN.num_requests})")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for every system (default: torch's choice)")
     parser.add_argument("--output", type=Path, default=None, help="result file (default benchmarks/results/)")
     args = parser.parse_args(argv)
     plan = QUICK_PLAN if args.quick else FULL_PLAN
@@ -290,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dyn, workload, dyn_output_ids = bench_dynserve(args, plan)
     hf, sequential = bench_hf(args, plan, workload)
     greedy_match = count_greedy_matches(dyn_output_ids, hf["sequential"].pop("output_ids"))
-    result = summarize(args, dyn, hf, workload, sequential, greedy_match)
+    result = summarize(args, plan, dyn, hf, workload, sequential, greedy_match)
     result["wall_s"] = time.perf_counter() - start
     write_result("engine", result, args.output)
     return result

@@ -17,6 +17,7 @@ query row causally over its sequence's whole context (cached prefix included) th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -40,6 +41,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    # whatever a backend derives once per step and reuses in every layer (set by the backend)
+    backend_plan: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -3,11 +3,17 @@
 Invariant kept: after `forward`, the step's keys and values are in the cache at `meta.slot_mapping`, and each
 query row has attended exactly to positions `0 .. its own position` of its sequence.
 
-Fast paths: a prefill chunk with no cached prefix attends over the keys it already holds (no gather);
-single-token decode rows are batched into one masked attention over K/V gathered from the cache.
+How it stays fast on CPU (where attention, not matmuls, dominates a large decode batch):
+- a `_Plan` is derived once per step and reused by every layer (slot split, row groups, masks);
+- a prefill chunk with nothing cached before it attends over the keys in hand (no gather);
+- decode rows are sorted by context length and grouped, so each group pads only to its own longest;
+- K and V are gathered block-wise straight into `[rows, tokens, kv_heads, head_dim]` (one copy each), and
+  the query heads of a KV head attend as that head's query rows, so GQA never repeats K/V.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +22,11 @@ from dynserve.engine.kernels import AttentionMetadata
 
 __all__ = ["forward", "write_kv"]
 
+# A decode group pads every row to its longest context; start a new group past this much padding.
+_MAX_GROUP_PAD_RATIO = 1.25
+# ... and past this many rows, so a group's gathered K/V stays small enough to be read back from cache.
+_MAX_GROUP_ROWS = 8
+
 
 def write_kv(
     kv_cache: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
@@ -23,16 +34,98 @@ def write_kv(
     """Store `key`/`value` ([num_tokens, num_kv_heads, head_dim]) at their slots of `layer`."""
     block_size = kv_cache.shape[3]
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - block_ids * block_size
+    _write(kv_cache, layer, key, value, block_ids, slot_mapping - block_ids * block_size)
+
+
+def _write(
+    kv_cache: torch.Tensor, layer: int, key: torch.Tensor, value: torch.Tensor,
+    block_ids: torch.Tensor, offsets: torch.Tensor,
+) -> None:
     kv_cache[block_ids, layer, 0, offsets] = key.to(kv_cache.dtype)
     kv_cache[block_ids, layer, 1, offsets] = value.to(kv_cache.dtype)
 
 
-def _gather(kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of `block_ids` ([..., n]) of `layer` as `[..., n * block_size, num_kv_heads, head_dim]`."""
-    kv = kv_cache[block_ids, layer]  # [..., n, 2, block_size, kv_heads, head_dim]
-    shape = (*block_ids.shape[:-1], -1, kv.shape[-2], kv.shape[-1])
-    return kv.select(-4, 0).reshape(shape), kv.select(-4, 1).reshape(shape)
+@dataclass(slots=True)
+class _DecodeGroup:
+    token_idx: torch.Tensor  # rows of the packed query
+    block_ids: torch.Tensor  # [rows * num_blocks] flattened block tables
+    num_blocks: int
+    mask: torch.Tensor  # [rows, 1, 1, num_blocks * block_size], True where a key is in context
+
+
+@dataclass(slots=True)
+class _PrefillRow:
+    start: int
+    end: int
+    seq_len: int
+    seq_index: int
+    mask: torch.Tensor | None  # None when nothing is cached before the chunk (plain causal)
+
+
+@dataclass(slots=True)
+class _Plan:
+    block_ids: torch.Tensor
+    offsets: torch.Tensor
+    prefill_rows: list[_PrefillRow] = field(default_factory=list)
+    decode_groups: list[_DecodeGroup] = field(default_factory=list)
+
+
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+    block_ids = torch.div(meta.slot_mapping, block_size, rounding_mode="floor")
+    plan = _Plan(block_ids, meta.slot_mapping - block_ids * block_size)
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    decode: list[tuple[int, int]] = []  # (seq_len, seq index)
+    for i, seq_len in enumerate(seq_lens):
+        start, end = starts[i], starts[i + 1]
+        q_len = end - start
+        if q_len == 1 and seq_len > 1:
+            decode.append((seq_len, i))
+        elif q_len > 0:
+            mask = None
+            if q_len != seq_len:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            plan.prefill_rows.append(_PrefillRow(start, end, seq_len, i, mask))
+    decode.sort()
+    while decode:
+        longest = decode[-1][0]
+        cut = len(decode)
+        while cut > 0 and len(decode) - cut < _MAX_GROUP_ROWS and decode[cut - 1][0] * _MAX_GROUP_PAD_RATIO >= longest:
+            cut -= 1
+        group, decode = decode[cut:], decode[:cut]
+        plan.decode_groups.append(_decode_group(meta, group, block_size, device))
+    return plan
+
+
+def _decode_group(
+    meta: AttentionMetadata, rows: list[tuple[int, int]], block_size: int, device: torch.device
+) -> _DecodeGroup:
+    seq_idx = [i for _, i in rows]
+    num_blocks = -(-max(n for n, _ in rows) // block_size)
+    lens = torch.tensor([n for n, _ in rows], device=device)
+    mask = torch.arange(num_blocks * block_size, device=device)[None, :] < lens[:, None]
+    return _DecodeGroup(
+        token_idx=torch.tensor([meta.query_start_loc_cpu[i] for i in seq_idx], device=device),
+        block_ids=meta.block_tables[seq_idx, :num_blocks].reshape(-1).long(),
+        num_blocks=num_blocks,
+        mask=mask[:, None, None, :],
+    )
+
+
+def _gather(kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of `block_ids` (num_rows equal-length block lists, flattened) as
+    `[num_rows, num_kv_heads, tokens, head_dim]` views over one contiguous copy each."""
+    _, _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    k = kv_cache[:, layer, 0].index_select(0, block_ids).view(num_rows, -1, num_kv_heads, head_dim)
+    v = kv_cache[:, layer, 1].index_select(0, block_ids).view(num_rows, -1, num_kv_heads, head_dim)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def _grouped_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """`[rows, heads, q_len, d]` -> `[rows, kv_heads, heads_per_kv * q_len, d]`: each KV head's query heads
+    become its query rows (head h reads KV head h // heads_per_kv)."""
+    rows, heads, q_len, d = q.shape
+    return q.reshape(rows, num_kv_heads, (heads // num_kv_heads) * q_len, d)
 
 
 def forward(
@@ -44,58 +137,28 @@ def forward(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    write_kv(kv_cache, layer, key, value, meta.slot_mapping)
+    block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
+    if meta.backend_plan is None:
+        meta.backend_plan = _plan(meta, block_size, query.device)
+    plan: _Plan = meta.backend_plan
+    _write(kv_cache, layer, key, value, plan.block_ids, plan.offsets)
     out = torch.empty_like(query)
-    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-    decode_rows: list[int] = []
-    for i, seq_len in enumerate(seq_lens):
-        start, end = starts[i], starts[i + 1]
-        q_len = end - start
-        if q_len == 0:
-            continue
-        if q_len == 1 and seq_len > 1:
-            decode_rows.append(i)
-            continue
-        q = query[start:end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-        if q_len == seq_len:  # nothing cached before this chunk: attend over the keys in hand
-            k = key[start:end].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            v = value[start:end].transpose(0, 1).unsqueeze(0).to(query.dtype)
+    for row in plan.prefill_rows:
+        q = query[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+        if row.mask is None:  # nothing cached before this chunk: attend over the keys in hand
+            k = key[row.start : row.end].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            v = value[row.start : row.end].transpose(0, 1).unsqueeze(0).to(query.dtype)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            num_blocks = -(-seq_len // kv_cache.shape[3])
-            k, v = _gather(kv_cache, layer, meta.block_tables[i, :num_blocks].long())
-            k = k[:seq_len].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            v = v[:seq_len].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[start:end] = o.squeeze(0).transpose(0, 1)
-    if decode_rows:
-        _decode(query, kv_cache, layer, meta, scale, decode_rows, out)
+            num_blocks = -(-row.seq_len // block_size)
+            k, v = _gather(kv_cache, layer, meta.block_tables[row.seq_index, :num_blocks].long(), 1)
+            k, v = k[:, :, : row.seq_len].to(query.dtype), v[:, :, : row.seq_len].to(query.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
+        out[row.start : row.end] = o.squeeze(0).transpose(0, 1)
+    for group in plan.decode_groups:
+        rows = group.token_idx.shape[0]
+        k, v = _gather(kv_cache, layer, group.block_ids, rows)
+        q = _grouped_query(query[group.token_idx].unsqueeze(2), num_kv_heads)
+        o = F.scaled_dot_product_attention(q, k.to(query.dtype), v.to(query.dtype), attn_mask=group.mask, scale=scale)
+        out[group.token_idx] = o.reshape(rows, -1, query.shape[-1])
     return out
-
-
-def _decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    layer: int,
-    meta: AttentionMetadata,
-    scale: float,
-    rows: list[int],
-    out: torch.Tensor,
-) -> None:
-    """One masked attention for all single-token rows, over K/V gathered to the longest of them."""
-    block_size = kv_cache.shape[3]
-    token_idx = torch.tensor([meta.query_start_loc_cpu[i] for i in rows], device=query.device)
-    lens = [meta.seq_lens_cpu[i] for i in rows]
-    max_len = max(lens)
-    num_blocks = -(-max_len // block_size)
-    tables = meta.block_tables[rows, :num_blocks].long()
-    k, v = _gather(kv_cache, layer, tables)  # [n, num_blocks * block_size, kv_heads, head_dim]
-    k = k.transpose(1, 2).to(query.dtype)
-    v = v.transpose(1, 2).to(query.dtype)
-    lens_t = torch.tensor(lens, device=query.device)
-    mask = torch.arange(num_blocks * block_size, device=query.device)[None, :] < lens_t[:, None]
-    q = query[token_idx].unsqueeze(2)  # [n, heads, 1, head_dim]
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
-    out[token_idx] = o.squeeze(2)
