@@ -15,6 +15,12 @@ import torch
 
 from dynserve.engine.kernels import AttentionMetadata, torch_attention
 
+
+@pytest.fixture(autouse=True)
+def _pure_torch_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference is the pure torch path, not the C++ decode kernel it can hand decode rows to."""
+    monkeypatch.setattr(torch_attention, "USE_NATIVE_DECODE", False)
+
 triton_attention = pytest.importorskip("dynserve.engine.kernels.triton_attention")
 
 pytestmark = pytest.mark.skipif(

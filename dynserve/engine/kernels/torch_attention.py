@@ -6,21 +6,28 @@ query row has attended exactly to positions `0 .. its own position` of its seque
 How it stays fast on CPU (where attention, not matmuls, dominates a large decode batch):
 - a `_Plan` is derived once per step and reused by every layer (slot split, row groups, masks);
 - a prefill chunk with nothing cached before it attends over the keys in hand (no gather);
-- decode rows are sorted by context length and grouped, so each group pads only to its own longest;
-- K and V are gathered block-wise straight into `[rows, tokens, kv_heads, head_dim]` (one copy each), and
-  the query heads of a KV head attend as that head's query rows, so GQA never repeats K/V.
+- decode rows (one query token each) go to the C++ kernel of `cpu_decode` when it is available (fp32),
+  which reads the cache through the block tables without copying; otherwise, in pure torch:
+  - decode rows are sorted by context length and grouped, so each group pads only to its own longest;
+  - K and V are gathered block-wise straight into `[rows, tokens, kv_heads, head_dim]` (one copy each), and
+    the query heads of a KV head attend as that head's query rows, so GQA never repeats K/V.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from dynserve.engine.kernels import AttentionMetadata
+from dynserve.engine.kernels import AttentionMetadata, cpu_decode
 
-__all__ = ["forward", "write_kv"]
+__all__ = ["USE_NATIVE_DECODE", "forward", "write_kv"]
+
+# Decode rows go through the C++ kernel (`cpu_decode`) when it can be built; tests switch it off to check
+# the pure torch path, which stays the reference.
+USE_NATIVE_DECODE = True
 
 # A decode group pads every row to its longest context; start a new group past this much padding.
 _MAX_GROUP_PAD_RATIO = 1.25
@@ -63,14 +70,24 @@ class _PrefillRow:
 
 
 @dataclass(slots=True)
+class _NativeDecode:
+    """All decode rows at once, for the C++ kernel (which reads the cache through the block tables)."""
+
+    token_idx: torch.Tensor
+    block_tables: torch.Tensor  # [rows, max_blocks] int32
+    seq_lens: torch.Tensor  # [rows] int32
+
+
+@dataclass(slots=True)
 class _Plan:
     block_ids: torch.Tensor
     offsets: torch.Tensor
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
+    native_decode: _NativeDecode | None = None
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device, native: bool) -> _Plan:
     block_ids = torch.div(meta.slot_mapping, block_size, rounding_mode="floor")
     plan = _Plan(block_ids, meta.slot_mapping - block_ids * block_size)
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
@@ -86,6 +103,14 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device) -> _Pl
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             plan.prefill_rows.append(_PrefillRow(start, end, seq_len, i, mask))
+    if native and decode:
+        seq_idx = [i for _, i in decode]
+        plan.native_decode = _NativeDecode(
+            token_idx=torch.tensor([starts[i] for i in seq_idx], device=device),
+            block_tables=meta.block_tables[seq_idx].contiguous(),
+            seq_lens=meta.seq_lens[seq_idx].contiguous(),
+        )
+        return plan
     decode.sort()
     while decode:
         longest = decode[-1][0]
@@ -121,6 +146,15 @@ def _gather(kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor, num_row
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
+def _native_decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> Any | None:
+    """The C++ decode kernel when it applies (fp32 on CPU) and could be built; None otherwise."""
+    if not USE_NATIVE_DECODE or query.device.type != "cpu" or query.dtype != torch.float32:
+        return None
+    if kv_cache.dtype != torch.float32:
+        return None
+    return cpu_decode.load()
+
+
 def _grouped_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """`[rows, heads, q_len, d]` -> `[rows, kv_heads, heads_per_kv * q_len, d]`: each KV head's query heads
     become its query rows (head h reads KV head h // heads_per_kv)."""
@@ -139,7 +173,8 @@ def forward(
 ) -> torch.Tensor:
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     if meta.backend_plan is None:
-        meta.backend_plan = _plan(meta, block_size, query.device)
+        native = _native_decode_kernel(query, kv_cache) is not None
+        meta.backend_plan = _plan(meta, block_size, query.device, native)
     plan: _Plan = meta.backend_plan
     _write(kv_cache, layer, key, value, plan.block_ids, plan.offsets)
     out = torch.empty_like(query)
@@ -155,6 +190,12 @@ def forward(
             k, v = k[:, :, : row.seq_len].to(query.dtype), v[:, :, : row.seq_len].to(query.dtype)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
         out[row.start : row.end] = o.squeeze(0).transpose(0, 1)
+    if plan.native_decode is not None:
+        nd = plan.native_decode
+        kernel = _native_decode_kernel(query, kv_cache)
+        assert kernel is not None
+        o = kernel.paged_decode(query[nd.token_idx], kv_cache, layer, nd.block_tables, nd.seq_lens, scale)
+        out[nd.token_idx] = o
     for group in plan.decode_groups:
         rows = group.token_idx.shape[0]
         k, v = _gather(kv_cache, layer, group.block_ids, rows)

@@ -1,0 +1,44 @@
+"""A C++ paged decode-attention kernel for CPUs, compiled on first use with torch's extension builder.
+
+Decode attention over a paged cache is bound by memory: in plain torch the keys and values must first be
+gathered into contiguous tensors (a copy) before attention reads them again. This kernel reads each cached
+key and value once, straight through the block table. It needs a C++ compiler and `ninja`; when either
+is missing, or the build fails, `load()` returns None and the torch path serves instead (logged once).
+The build is cached under torch's extensions directory, so only the first process pays for it (~30 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load"]
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+
+
+@functools.cache
+def load() -> Any | None:
+    """The compiled module (with `paged_decode(query, kv_cache, layer, block_tables, seq_lens, scale)`),
+    or None when it cannot be built here."""
+    try:
+        from torch.utils import cpp_extension
+
+        flags = ["-O3", "-ffast-math", "-fopenmp"]  # at::parallel_for is OpenMP inside the header
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags.append("-march=x86-64-v3")  # AVX2 + FMA
+        return cpp_extension.load(
+            name="dynserve_paged_decode_cpu",
+            sources=[str(_SOURCE)],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja surfaces as one of many exception types
+        logger.warning("C++ decode-attention kernel unavailable, using the torch path: %s", exc)
+        return None
