@@ -15,7 +15,7 @@ def kernel():  # type: ignore[no-untyped-def]
     return module
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 16, 4)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 64, 16), (8, 2, 128, 16), (6, 3, 128, 8), (4, 4, 32, 8), (8, 1, 16, 4)])
 def test_decode_kernel_matches_torch_path(kernel, monkeypatch, num_heads, num_kv_heads, head_dim, block_size) -> None:  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(0)
     num_blocks, num_layers = 160, 3

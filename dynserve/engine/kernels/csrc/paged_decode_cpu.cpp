@@ -2,7 +2,8 @@
 // cache [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim] through the block table, so each
 // key and value is read exactly once and nothing is gathered or copied. One work item per (sequence, KV
 // head); the query heads sharing that KV head are processed together (GQA), fp32 throughout.
-// head_dim is a template parameter for the common sizes so the inner loops compile to fixed-width SIMD.
+// head_dim and the query heads per KV head are template parameters for common shapes, so the inner loops
+// compile to fixed-width SIMD.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -33,13 +34,15 @@ inline void axpy(float* __restrict__ y, const float* __restrict__ x, float a, in
   for (int64_t d = 0; d < len; ++d) y[d] += a * x[d];
 }
 
-// Attention of one (sequence, KV head): `group` query rows over `len` cached tokens.
-template <int64_t D>
+// Attention of one (sequence, KV head): `group` query rows over `len` cached tokens. With D and G known at
+// compile time (the common shapes), the output rows live in a local array the compiler keeps in registers,
+// and each key/value row is loaded once for all G query heads.
+template <int64_t D, int64_t G>
 void attend_one(const Layout& lay, const float* __restrict__ cache, const int32_t* __restrict__ table,
                 int64_t len, int64_t kv_head, const float* __restrict__ q, float* __restrict__ out,
                 float scale, std::vector<float>& scores) {
-  const int64_t G = lay.group, hd = lay.head_dim, bs = lay.block_size;
-  scores.resize(G * len);
+  const int64_t group = G > 0 ? G : lay.group, hd = D > 0 ? D : lay.head_dim, bs = lay.block_size;
+  scores.resize(group * len);
   float* __restrict__ s = scores.data();
   const int64_t num_blocks = (len + bs - 1) / bs;
   for (int64_t b = 0; b < num_blocks; ++b) {
@@ -47,10 +50,10 @@ void attend_one(const Layout& lay, const float* __restrict__ cache, const int32_
     const int64_t first = b * bs, count = std::min(bs, len - first);
     for (int64_t j = 0; j < count; ++j) {
       const float* k = base + j * lay.s_tok;
-      for (int64_t g = 0; g < G; ++g) s[g * len + first + j] = dot<D>(q + g * hd, k, hd) * scale;
+      for (int64_t g = 0; g < group; ++g) s[g * len + first + j] = dot<D>(q + g * hd, k, hd) * scale;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = 0; g < group; ++g) {
     float* sg = s + g * len;
     const float m = *std::max_element(sg, sg + len);
     float total = 0.f;
@@ -61,17 +64,21 @@ void attend_one(const Layout& lay, const float* __restrict__ cache, const int32_
     const float inv = 1.f / total;
     for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
   }
+  constexpr int64_t kLocal = (D > 0 && G > 0) ? D * G : 1;
+  float local[kLocal] = {};
+  float* acc = (D > 0 && G > 0) ? local : out;
   for (int64_t b = 0; b < num_blocks; ++b) {
     const float* base = cache + table[b] * lay.s_block + lay.s_kv + kv_head * lay.s_head;
     const int64_t first = b * bs, count = std::min(bs, len - first);
     for (int64_t j = 0; j < count; ++j) {
       const float* v = base + j * lay.s_tok;
-      for (int64_t g = 0; g < G; ++g) axpy<D>(out + g * hd, v, s[g * len + first + j], hd);
+      for (int64_t g = 0; g < group; ++g) axpy<D>(acc + g * hd, v, s[g * len + first + j], hd);
     }
   }
+  if (acc != out) std::copy(local, local + kLocal, out);
 }
 
-template <int64_t D>
+template <int64_t D, int64_t G>
 void run(const Layout& lay, const float* cache, const int32_t* tables, const int32_t* lens,
          const float* q_all, float* out_all, int64_t num_seqs, float scale) {
   at::parallel_for(0, num_seqs * lay.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -79,7 +86,7 @@ void run(const Layout& lay, const float* cache, const int32_t* tables, const int
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / lay.num_kv_heads, kv_head = item % lay.num_kv_heads;
       const int64_t row = (seq * lay.num_heads + kv_head * lay.group) * lay.head_dim;
-      attend_one<D>(lay, cache, tables + seq * lay.max_blocks, lens[seq], kv_head, q_all + row,
+      attend_one<D, G>(lay, cache, tables + seq * lay.max_blocks, lens[seq], kv_head, q_all + row,
                     out_all + row, scale, scores);
     }
   });
@@ -108,10 +115,20 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, int64_t 
   const float s = static_cast<float>(scale);
   const auto* tables = block_tables.data_ptr<int32_t>();
   const auto* lens = seq_lens.data_ptr<int32_t>();
-  switch (lay.head_dim) {
-    case 64: run<64>(lay, cache, tables, lens, query.data_ptr<float>(), out.data_ptr<float>(), num_seqs, s); break;
-    case 128: run<128>(lay, cache, tables, lens, query.data_ptr<float>(), out.data_ptr<float>(), num_seqs, s); break;
-    default: run<0>(lay, cache, tables, lens, query.data_ptr<float>(), out.data_ptr<float>(), num_seqs, s);
+  const float* q = query.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  if (lay.head_dim == 64 && lay.group == 3) {
+    run<64, 3>(lay, cache, tables, lens, q, o, num_seqs, s);  // SmolLM2 (9 heads, 3 KV heads)
+  } else if (lay.head_dim == 64 && lay.group == 4) {
+    run<64, 4>(lay, cache, tables, lens, q, o, num_seqs, s);
+  } else if (lay.head_dim == 128 && lay.group == 4) {
+    run<128, 4>(lay, cache, tables, lens, q, o, num_seqs, s);  // Llama 3 8B
+  } else if (lay.head_dim == 64) {
+    run<64, 0>(lay, cache, tables, lens, q, o, num_seqs, s);
+  } else if (lay.head_dim == 128) {
+    run<128, 0>(lay, cache, tables, lens, q, o, num_seqs, s);
+  } else {
+    run<0, 0>(lay, cache, tables, lens, q, o, num_seqs, s);
   }
   return out;
 }
