@@ -9,6 +9,7 @@ block ids are in use.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from types import ModuleType
 
