@@ -4,7 +4,8 @@ Decode attention over a paged cache is bound by memory: in plain torch the keys 
 gathered into contiguous tensors (a copy) before attention reads them again. This kernel reads each cached
 key and value once, straight through the block table. It needs a C++ compiler and `ninja`; when either
 is missing, or the build fails, `load()` returns None and the torch path serves instead (logged once).
-The build is cached under torch's extensions directory, so only the first process pays for it (~30 s).
+The build is cached under torch's extensions directory, so only the first process pays for it (about a
+minute on 2 cores).
 """
 
 from __future__ import annotations
