@@ -162,9 +162,9 @@ class BlockManager:
                 if run:  # another block already caches this hash: close the run
                     self._emit_stored(run_parent, run)
                     run = []
-                cached = self.blocks[self._hash_to_block[block_hash]] if block.block_hash is None else block
+                holder = self.blocks[self._hash_to_block[block_hash]]  # this block itself after a hit
                 start = i * self.block_size
-                if cached.token_ids != tuple(seq.token_ids[start : start + self.block_size]):
+                if holder.token_ids != tuple(seq.token_ids[start : start + self.block_size]):
                     # A hash collision: every later block's KV depends on this one, so none of this
                     # sequence's later blocks may be cached under this chain.
                     seq.cacheable = False
