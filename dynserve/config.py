@@ -5,7 +5,7 @@ Defaults are what a new user on a laptop needs: the bundled SmolLM2 model, fp32 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -14,6 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 __all__ = ["Settings", "torch_dtype"]
 
 DType = Literal["float32", "bfloat16", "float16"]
+_GATEWAY: dict[str, Any] = {"group": "gateway"}
+_CLUSTER: dict[str, Any] = {"group": "cluster"}
 
 
 class Settings(BaseSettings):
@@ -33,6 +35,29 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="'auto': triton on GPU")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
     seed: int = Field(0, description="seed for requests that give none")
+
+    # ---- gateway ----
+    host: str = Field("127.0.0.1", description="gateway listen address", json_schema_extra=_GATEWAY)
+    port: int = Field(8000, ge=0, le=65535, description="gateway listen port (0: any free port)",
+                      json_schema_extra=_GATEWAY)
+    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes",
+                                json_schema_extra=_GATEWAY)
+    max_queue: int = Field(512, ge=1, description="requests the gateway holds at once (running and waiting); "
+                           "one more gets 429", json_schema_extra=_GATEWAY)
+    max_body_bytes: int = Field(8 * 2**20, ge=1024, description="largest request body; larger ones get 413",
+                                json_schema_extra=_GATEWAY)
+
+    # ---- cluster ----
+    ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one",
+                                    json_schema_extra=_CLUSTER)
+    worker_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each worker",
+                                   json_schema_extra=_CLUSTER)
+
+    @classmethod
+    def field_names(cls, group: str) -> list[str]:
+        """Names of the fields in `group` ("engine", "gateway" or "cluster")."""
+        return [name for name, f in cls.model_fields.items()
+                if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]
 
 
 def torch_dtype(name: DType) -> torch.dtype:

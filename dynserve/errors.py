@@ -4,7 +4,10 @@
     ├── ModelLoadError          a weights file is missing, unreadable or of an unsupported kind
     ├── TokenizerError          a tokenizer cannot be built or a template cannot be rendered
     ├── InvalidRequestError     a request's parameters are wrong (the user's fault)
-    └── CacheCapacityError      a request can never fit in the KV cache
+    │   └── CacheCapacityError  a request can never fit in the KV cache
+    └── WorkerError             a worker cannot take or finish a request (not the user's fault)
+        ├── WorkerUnavailableError  its channel is closed or it is stopping: retry elsewhere
+        └── ChannelError            a malformed frame on a worker channel
 
 Each error carries structured fields next to its message so callers (the gateway, the CLI) can map it
 to a status code or exit code without parsing strings.
@@ -17,6 +20,9 @@ __all__ = [
     "DynserveError",
     "InvalidRequestError",
     "ModelLoadError",
+    "ChannelError",
+    "WorkerError",
+    "WorkerUnavailableError",
     "TokenizerError",
 ]
 
@@ -36,11 +42,12 @@ class TokenizerError(DynserveError):
 
 
 class InvalidRequestError(DynserveError):
-    """A request parameter is invalid; `param` names it."""
+    """A request parameter is invalid; `param` names it, `code` classifies it (e.g. context_length_exceeded)."""
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
 
 
 class CacheCapacityError(InvalidRequestError):
@@ -50,3 +57,18 @@ class CacheCapacityError(InvalidRequestError):
         super().__init__(message, param="max_tokens")
         self.num_blocks_needed = num_blocks_needed
         self.num_blocks_total = num_blocks_total
+
+
+class WorkerError(DynserveError):
+    def __init__(self, message: str, *, worker_id: str | None = None) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
+class WorkerUnavailableError(WorkerError):
+    """The worker cannot serve: its channel closed, it died, or it is draining. Safe to retry elsewhere
+    when no token of the request has been streamed yet."""
+
+
+class ChannelError(WorkerError):
+    """A frame on a worker channel was malformed or too large; the connection is closed."""

@@ -1,8 +1,10 @@
-"""Wire types shared across processes: sampling parameters, token deltas, KV events.
+"""Wire types shared across processes: sampling parameters, token deltas, worker frames, KV events.
 
 Everything here is a `msgspec.Struct` so it travels as MessagePack between the gateway, workers and the
 router. KV events form a tagged union; each carries its worker's sequence number (`event_id`) so a consumer
-can detect gaps and resync from a snapshot.
+can detect gaps and resync from a snapshot. The worker channel speaks two tagged unions: `ClientFrame`
+(gateway to worker: generate, abort, load) and `WorkerFrame` (worker to gateway: batches of deltas, request
+errors, loads).
 """
 
 from __future__ import annotations
@@ -12,22 +14,32 @@ import msgspec
 from dynserve.errors import InvalidRequestError
 
 __all__ = [
+    "AbortRequest",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "ClientFrame",
+    "DeltaBatch",
+    "GenerateRequest",
     "KVEvent",
+    "LoadRequest",
+    "RequestError",
+    "RequestTiming",
     "MAX_TOP_LOGPROBS",
     "SamplingParams",
     "TokenDelta",
     "TokenLogprob",
+    "WorkerFrame",
+    "WorkerInfo",
+    "WorkerLoad",
 ]
 
-MAX_TOP_LOGPROBS = 5
+MAX_TOP_LOGPROBS = 20
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick tokens and when to stop. `temperature == 0` is greedy; `top_k=None` keeps all tokens;
-    `logprobs=None` returns none, `0` the chosen token's only, `k` also the top k (k <= 5)."""
+    `logprobs=None` returns none, `0` the chosen token's only, `k` also the top k (k <= 20)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -82,6 +94,87 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+
+
+# ---- the worker channel ---------------------------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
+    """Run `token_ids` (already tokenized and templated by the gateway) with `params`."""
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class LoadRequest(msgspec.Struct, tag="load"):
+    pass
+
+
+ClientFrame = GenerateRequest | AbortRequest | LoadRequest
+
+
+class DeltaBatch(msgspec.Struct, tag="deltas"):
+    """Every delta one engine step produced for one connection's requests, in one frame."""
+
+    deltas: list[TokenDelta]
+
+
+class RequestError(msgspec.Struct, tag="error", kw_only=True):
+    """A request the worker refused or lost. `retryable` is true when another worker may succeed (the
+    worker is draining or stopping); false for the user's own errors (bad prompt, too long)."""
+
+    request_id: str
+    message: str
+    param: str | None = None
+    retryable: bool = False
+
+
+class WorkerLoad(msgspec.Struct, tag="load", kw_only=True):
+    """A worker's load right now: what the router weighs and the gateway exports as gauges."""
+
+    worker_id: str
+    role: str
+    num_blocks_used: int
+    num_blocks_total: int
+    num_running: int
+    num_waiting: int
+
+
+WorkerFrame = DeltaBatch | RequestError | WorkerLoad
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What a started worker tells its owner: who it is, where its channel listens, what it serves."""
+
+    worker_id: str
+    role: str
+    host: str
+    port: int
+    model_id: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+
+class RequestTiming(msgspec.Struct, kw_only=True, frozen=True):
+    """One finished request's life on a worker, in `time.monotonic()` seconds (one clock per host)."""
+
+    request_id: str
+    arrival_s: float
+    first_token_s: float | None
+    finished_s: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finish_reason: str | None
+
+
+# ---- KV events -------------------------------------------------------------------------------------------
 
 
 class BlockStored(msgspec.Struct, tag="stored", array_like=True):

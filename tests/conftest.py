@@ -55,3 +55,64 @@ def hf_model() -> Any:
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
     return model.eval()
+
+
+# ---- serving: one Ray instance, one engine worker, gateways over it ------------------------------------
+
+@pytest.fixture(scope="session")
+def ray_instance(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A local Ray instance for the session (small object store, no dashboard, no auth token)."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def worker(ray_instance: Any) -> Any:
+    """One engine worker actor (fp32, 512 KV blocks of 16 tokens); returns (handle, WorkerInfo)."""
+    from dynserve.workers.worker import launch_worker
+
+    settings = Settings(dtype="float32", device="cpu", kv_blocks=512, num_threads=2)
+    handle, info_ref = launch_worker(settings, "w0", num_cpus=1)
+    info = ray_instance.get(info_ref, timeout=300)
+    yield handle, info
+    ray_instance.kill(handle)
+
+
+GatewayFactory = Callable[..., Any]
+
+
+@pytest.fixture(scope="session")
+def make_gateway(worker: Any, tokenizer: Any) -> Any:
+    """Start a gateway over the session worker: make_gateway(api_key="k", max_queue=1) -> GatewayServer."""
+    from dynserve.gateway.server import GatewayServer, make_gateway_app
+
+    servers = []
+
+    def factory(infos: list[Any] | None = None, **overrides: Any) -> Any:
+        settings = Settings(**{"port": 0, **overrides})
+        app = make_gateway_app(settings, infos if infos is not None else [worker[1]], tokenizer)
+        server = GatewayServer(app, settings).start()
+        servers.append(server)
+        return server
+
+    yield factory
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(make_gateway: GatewayFactory) -> Any:
+    return make_gateway()
+
+
+@pytest.fixture()
+def client(gateway: Any) -> Any:
+    """The official openai client against the session gateway (no client-side retries)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)

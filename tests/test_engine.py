@@ -128,7 +128,7 @@ def test_abort_frees_blocks(make_engine, tokenizer) -> None:  # type: ignore[no-
         (SamplingParams(max_tokens=0), "max_tokens"),
         (SamplingParams(temperature=-1.0), "temperature"),
         (SamplingParams(top_p=0.0), "top_p"),
-        (SamplingParams(logprobs=6), "logprobs"),
+        (SamplingParams(logprobs=21), "logprobs"),
         (SamplingParams(stop=("",)), "stop"),
     ],
 )

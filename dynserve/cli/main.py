@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any, get_args
 
+import pydantic
+
 from dynserve.config import Settings
 from dynserve.errors import DynserveError, InvalidRequestError
 from dynserve.protocol import SamplingParams
@@ -22,12 +24,18 @@ __all__ = ["main"]
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
-def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (each flag has an env twin)")
-    for name, field in Settings.model_fields.items():
+def _add_settings_flags(parser: argparse.ArgumentParser, *groups: str) -> None:
+    for group_name in groups:
+        _add_settings_group(parser, group_name)
+
+
+def _add_settings_group(parser: argparse.ArgumentParser, group_name: str) -> None:
+    group = parser.add_argument_group(f"{group_name} (each flag has an env twin)")
+    for name in Settings.field_names(group_name):
+        field = Settings.model_fields[name]
         flag = "--" + name.replace("_", "-")
         env = f"DYN_{name.upper()}"
-        help_text = f"{field.description} [env: {env}; default: {field.default}]"
+        help_text = f"{field.description} [env: {env}; default: {field.default}]".replace("%", "%%")
         if field.annotation is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             continue
@@ -36,8 +44,13 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings_from(args: argparse.Namespace) -> Settings:
-    given: dict[str, Any] = {n: getattr(args, n) for n in Settings.model_fields if getattr(args, n) is not None}
-    return Settings(**given)
+    given: dict[str, Any] = {n: getattr(args, n) for n in Settings.model_fields
+                             if getattr(args, n, None) is not None}
+    try:
+        return Settings(**given)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequestError(problems) from None
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -54,7 +67,10 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default=None, help="system prompt (chat mode)")
     gen.add_argument("--raw", action="store_true", help="complete the text as is, no chat template")
     gen.add_argument("--output", choices=["text", "json"], default="text")
-    _add_settings_flags(gen)
+    _add_settings_flags(gen, "engine")
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
+    _add_settings_flags(serve, "gateway", "engine", "cluster")
     return parser
 
 
@@ -116,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            from dynserve.cli.serve import serve
+
+            return serve(_settings_from(args))
     except InvalidRequestError as exc:
         print(f"dynctl: invalid input: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,0 +1,148 @@
+"""From a validated OpenAI request to what workers run: prompt token ids and one `SamplingParams` per choice.
+
+Pure functions of (request, tokenizer, model limits). Everything the user got wrong surfaces here as an
+`InvalidRequestError` naming the parameter, before any worker is involved:
+- a field OpenAI defines that dynserve does not implement (tools, response_format other than text, ...);
+- a content part that is not text;
+- a prompt plus `max_tokens` longer than the context (`code="context_length_exceeded"`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynserve.engine.tokenizer import Tokenizer
+from dynserve.errors import InvalidRequestError, TokenizerError
+from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from dynserve.protocol import SamplingParams
+
+__all__ = ["Prepared", "prepare_chat", "prepare_completion", "reject_unsupported"]
+
+_UNSUPPORTED = (
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio",
+    "prediction", "reasoning_effort", "web_search_options", "verbosity",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """`prompts[p]` runs with `params[i]` for the choices `p * n + i`."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def n(self) -> int:
+        return len(self.params)
+
+
+def reject_unsupported(request: _SamplingFields) -> None:
+    for name in _UNSUPPORTED:
+        value = getattr(request, name)
+        if value is None or (name == "modalities" and value == ["text"]):
+            continue
+        raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
+    if request.response_format is not None and request.response_format != {"type": "text"}:
+        raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
+    if request.logit_bias:
+        raise InvalidRequestError("'logit_bias' is not supported by this server", param="logit_bias")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> Prepared:
+    reject_unsupported(request)
+    messages = []
+    for i, message in enumerate(request.messages):
+        content = message.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequestError(
+                        f"content parts of type {part.type!r} are not supported; send text parts",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+            content = [{"type": "text", "text": part.text} for part in content]
+        role = "system" if message.role == "developer" else message.role
+        messages.append({"role": role, "content": content or ""})
+    try:
+        text = tokenizer.apply_chat_template(messages)
+    except TokenizerError as exc:
+        raise InvalidRequestError(str(exc), param="messages") from exc
+    prompt = tokenizer.encode(text)
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    params = _sampling_params(request, len(prompt), max_model_len, max_tokens, logprobs, "messages")
+    return Prepared([prompt], params)
+
+
+def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> Prepared:
+    reject_unsupported(request)
+    if request.echo:
+        raise InvalidRequestError("'echo' is not supported by this server", param="echo")
+    if request.suffix:
+        raise InvalidRequestError("'suffix' is not supported by this server", param="suffix")
+    if request.best_of is not None and request.best_of != request.n:
+        raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    raw = request.prompt
+    if isinstance(raw, str):
+        prompts = [tokenizer.encode(raw)]
+    elif raw and isinstance(raw[0], int):
+        prompts = [list(raw)]  # type: ignore[arg-type]
+    elif raw and isinstance(raw[0], str):
+        prompts = [tokenizer.encode(text) for text in raw]  # type: ignore[arg-type]
+    else:
+        prompts = [list(ids) for ids in raw]  # type: ignore[union-attr]
+    vocab = tokenizer.vocab_size
+    for ids in prompts:
+        if not ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    longest = max(len(p) for p in prompts)
+    # one parameter set for all prompts: a default max_tokens is what the longest prompt leaves of the context
+    params = _sampling_params(request, longest, max_model_len, request.max_tokens, request.logprobs, "prompt")
+    return Prepared(prompts, params)
+
+
+def _sampling_params(
+    request: _SamplingFields, prompt_len: int, max_model_len: int, max_tokens: int | None,
+    logprobs: int | None, prompt_param: str,
+) -> list[SamplingParams]:
+    if prompt_len >= max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
+            f"resulted in {prompt_len} tokens. Please reduce the length of the {prompt_param}.",
+            param=prompt_param, code="context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the "
+            "completion). Please reduce the length of the prompt or of the completion.",
+            param="max_tokens", code="context_length_exceeded",
+        )
+    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    base = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else max_model_len - prompt_len,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        stop=stop,
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=request.ignore_eos,
+        logprobs=logprobs,
+    )
+    base.validate()
+    if request.n == 1:
+        return [base]
+    import msgspec
+
+    # each choice its own seed, so n seeded choices differ from each other and reproduce across calls
+    return [base if request.seed is None else msgspec.structs.replace(base, seed=request.seed + i)
+            for i in range(request.n)]

@@ -1,0 +1,252 @@
+"""The worker channel: the data path between a gateway and a worker.
+
+Ray places, starts and stops workers; token traffic does not go through Ray's object store. Each gateway
+holds one TCP connection per worker and multiplexes all its requests over it as length-prefixed
+MessagePack frames (`ClientFrame` one way, `WorkerFrame` the other). A worker writes one `DeltaBatch` per
+engine step per connection, so the per-token cost is paid once per step, not once per request; the client
+side also merges deltas that queue up behind a slow consumer.
+
+Invariants: a request's deltas arrive in order and end with exactly one finished delta or one
+`RequestError`; when the connection drops every open stream ends with `WorkerUnavailableError`, and the
+worker aborts every request that connection owned (so its KV blocks are freed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections import deque
+from collections.abc import AsyncIterator
+
+import msgspec
+
+from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.protocol import (
+    AbortRequest,
+    ClientFrame,
+    DeltaBatch,
+    GenerateRequest,
+    LoadRequest,
+    RequestError,
+    TokenDelta,
+    WorkerFrame,
+    WorkerInfo,
+    WorkerLoad,
+)
+
+__all__ = ["MAX_FRAME_BYTES", "WorkerConnection", "encode_frame", "merge_deltas", "read_frame"]
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAME_BYTES = 64 * 2**20
+_HEADER = struct.Struct("!I")
+_ENCODER = msgspec.msgpack.Encoder()
+_WORKER_FRAMES = msgspec.msgpack.Decoder(WorkerFrame)
+
+
+def encode_frame(message: ClientFrame | WorkerFrame) -> bytes:
+    body = _ENCODER.encode(message)
+    return _HEADER.pack(len(body)) + body
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
+    """The next frame's body; None on a clean end of stream. Raises ChannelError on a bad frame."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ChannelError("connection closed inside a frame header") from exc
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_FRAME_BYTES:
+        raise ChannelError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        return await reader.readexactly(size)
+    except asyncio.IncompleteReadError as exc:
+        raise ChannelError("connection closed inside a frame") from exc
+
+
+def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
+    """One delta equivalent to `deltas` (same request, in order): tokens, text and logprobs joined, counts and
+    the finish state from the last."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs for d in deltas):
+        logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
+    return msgspec.structs.replace(
+        last,
+        token_ids=[t for d in deltas for t in d.token_ids],
+        text="".join(d.text for d in deltas),
+        logprobs=logprobs,
+    )
+
+
+class _Closed:
+    """Sentinel put on every open stream when the connection ends."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+_StreamItem = TokenDelta | RequestError | _Closed
+
+
+class WorkerConnection:
+    """A client's connection to one worker. Many requests share it; `generate` streams one of them.
+
+    Safe to use from one asyncio loop only. `connect` raises WorkerUnavailableError when the worker does not
+    answer; after the connection drops, `is_open` is false and every call raises WorkerUnavailableError.
+    """
+
+    def __init__(self, info: WorkerInfo) -> None:
+        self.info = info
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
+        self._load_waiters: deque[asyncio.Future[WorkerLoad]] = deque()
+        self._closed_reason: str | None = "not connected"
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def is_open(self) -> bool:
+        return self._closed_reason is None
+
+    @property
+    def num_open_streams(self) -> int:
+        return len(self._streams)
+
+    async def connect(self, timeout_s: float = 5.0) -> None:
+        try:
+            self._reader, self._writer = await asyncio.wait_for(
+                asyncio.open_connection(self.info.host, self.info.port), timeout_s
+            )
+        except (OSError, TimeoutError) as exc:
+            raise WorkerUnavailableError(
+                f"cannot connect to worker {self.worker_id} at {self.info.host}:{self.info.port}: {exc}",
+                worker_id=self.worker_id,
+            ) from exc
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            import socket
+
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._closed_reason = None
+        self._reader_task = asyncio.create_task(self._read_loop(), name=f"channel-{self.worker_id}")
+
+    async def close(self) -> None:
+        self._shut("closed by client")
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+
+    def _send(self, message: ClientFrame) -> None:
+        if self._closed_reason is not None or self._writer is None:
+            raise WorkerUnavailableError(
+                f"worker {self.worker_id} is unavailable ({self._closed_reason})", worker_id=self.worker_id
+            )
+        self._writer.write(encode_frame(message))
+
+    async def load(self, timeout_s: float = 2.0) -> WorkerLoad:
+        waiter: asyncio.Future[WorkerLoad] = asyncio.get_running_loop().create_future()
+        self._send(LoadRequest())
+        self._load_waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+        except TimeoutError as exc:
+            raise WorkerUnavailableError(
+                f"worker {self.worker_id} did not report its load within {timeout_s} s", worker_id=self.worker_id
+            ) from exc
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; harmless if it already finished or the connection is gone."""
+        self._streams.pop(request_id, None)
+        if self.is_open:
+            self._send(AbortRequest(request_id))
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream `request`'s deltas, merging those that queued up while the consumer was busy.
+
+        Raises InvalidRequestError when the worker refuses the request as invalid, WorkerUnavailableError
+        when the worker is gone or stopping. Closing the iterator early aborts the request on the worker.
+        """
+        if request.request_id in self._streams:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already streaming", param="request_id")
+        queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._send(request)
+        finished = False
+        try:
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                deltas = [item for item in items if isinstance(item, TokenDelta)]
+                if deltas:
+                    merged = merge_deltas(deltas)
+                    finished = merged.finished
+                    yield merged
+                for item in items:
+                    if isinstance(item, RequestError):
+                        finished = True
+                        if item.retryable:
+                            raise WorkerUnavailableError(item.message, worker_id=self.worker_id)
+                        raise InvalidRequestError(item.message, param=item.param)
+                    if isinstance(item, _Closed):
+                        finished = True
+                        raise WorkerUnavailableError(
+                            f"worker {self.worker_id} went away ({item.reason})", worker_id=self.worker_id
+                        )
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+            self._streams.pop(request.request_id, None)
+
+    async def _read_loop(self) -> None:
+        assert self._reader is not None
+        reason = "worker closed the connection"
+        try:
+            while (body := await read_frame(self._reader)) is not None:
+                self._dispatch(_WORKER_FRAMES.decode(body))
+        except (ChannelError, msgspec.DecodeError, OSError) as exc:
+            reason = f"channel error: {exc}"
+            logger.warning("worker %s channel failed: %s", self.worker_id, exc)
+        finally:
+            self._shut(reason)
+
+    def _dispatch(self, frame: WorkerFrame) -> None:
+        if isinstance(frame, DeltaBatch):
+            for delta in frame.deltas:
+                queue = self._streams.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)
+        elif isinstance(frame, RequestError):
+            queue = self._streams.get(frame.request_id)
+            if queue is not None:
+                queue.put_nowait(frame)
+        elif self._load_waiters:
+            waiter = self._load_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(frame)
+
+    def _shut(self, reason: str) -> None:
+        if self._closed_reason is not None and self._writer is None:
+            return
+        self._closed_reason = self._closed_reason or reason
+        for queue in self._streams.values():
+            queue.put_nowait(_Closed(reason))
+        while self._load_waiters:
+            waiter = self._load_waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(WorkerUnavailableError(reason, worker_id=self.worker_id))
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

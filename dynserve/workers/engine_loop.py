@@ -1,0 +1,171 @@
+"""Drives one `LLMEngine` on its own thread and hands its output to an asyncio loop.
+
+The engine is single-threaded; this module is the only place that touches it while a worker runs. Other
+threads talk to it through a command queue (`submit`, `abort`, `stop`), and the loop thread blocks on that
+queue when the engine is idle, so an idle worker costs no CPU. After every engine step the deltas are
+grouped by the `Sink` that owns each request and delivered with one `call_soon_threadsafe` per step.
+
+Invariants: every submitted request ends with exactly one finished delta or one error at its sink, unless
+it was aborted (an aborted request ends silently, its blocks freed before the next step); if the engine
+itself fails, every open request gets a retryable error and the loop stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynserve.engine.llm_engine import LLMEngine
+from dynserve.errors import InvalidRequestError
+from dynserve.protocol import GenerateRequest, RequestError, RequestTiming, TokenDelta
+
+__all__ = ["EngineLoop", "Sink"]
+
+logger = logging.getLogger(__name__)
+
+NUM_TIMINGS_KEPT = 4096
+
+
+class Sink(Protocol):
+    """Where a request's output goes; called on the asyncio loop only."""
+
+    def deliver(self, deltas: list[TokenDelta]) -> None: ...
+
+    def fail(self, error: RequestError) -> None: ...
+
+
+@dataclass(slots=True)
+class _Open:
+    sink: Sink
+    arrival_s: float
+    first_token_s: float | None = None
+
+
+class _Stop:
+    pass
+
+
+_Command = tuple[GenerateRequest, Sink, float] | str | _Stop
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop, *, name: str = "engine") -> None:
+        self.engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._open: dict[str, _Open] = {}  # touched by the engine thread only
+        self._timings: deque[RequestTiming] = deque(maxlen=NUM_TIMINGS_KEPT)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.failure: BaseException | None = None
+
+    # ---- any thread ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: GenerateRequest, sink: Sink) -> None:
+        self._commands.put((request, sink, time.monotonic()))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(request_id)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._commands.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._open)
+
+    def recent_timings(self) -> list[RequestTiming]:
+        """Timings of up to the last 4096 finished requests, oldest first."""
+        return list(self._timings)
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._apply_commands(block=not self.engine.has_unfinished_requests()):
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+            self._fail_open("the worker is stopping")
+        except BaseException as exc:  # the engine broke: nothing it holds can finish here
+            self.failure = exc
+            logger.exception("engine loop failed; failing %d open requests", len(self._open))
+            self._fail_open(f"the worker's engine failed: {exc}")
+
+    def _fail_open(self, message: str) -> None:
+        errors = [(o.sink, RequestError(request_id=rid, message=message, retryable=True))
+                  for rid, o in self._open.items()]
+        self._open.clear()
+        if errors:
+            self._call(lambda: [sink.fail(error) for sink, error in errors])
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when `block`); False once asked to stop."""
+        errors: list[tuple[Sink, RequestError]] = []
+        try:
+            command = self._commands.get(timeout=None) if block else self._commands.get_nowait()
+            while True:
+                if isinstance(command, _Stop):
+                    return False
+                if isinstance(command, str):
+                    if self._open.pop(command, None) is not None:
+                        self.engine.abort(command)
+                else:
+                    self._add(*command, errors)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+        finally:
+            if errors:
+                self._call(lambda: [sink.fail(error) for sink, error in errors])
+        return True
+
+    def _add(self, request: GenerateRequest, sink: Sink, arrival_s: float,
+             errors: list[tuple[Sink, RequestError]]) -> None:
+        try:
+            self.engine.add_request(request.token_ids, request.params, request.request_id)
+        except InvalidRequestError as exc:
+            errors.append((sink, RequestError(request_id=request.request_id, message=str(exc), param=exc.param)))
+            return
+        self._open[request.request_id] = _Open(sink, arrival_s)
+
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
+        if not deltas:
+            return
+        now = time.monotonic()
+        by_sink: dict[int, tuple[Sink, list[TokenDelta]]] = {}
+        for delta in deltas:
+            state = self._open.get(delta.request_id)
+            if state is None:
+                continue
+            if state.first_token_s is None:
+                state.first_token_s = now
+            if delta.finished:
+                del self._open[delta.request_id]
+                self._timings.append(RequestTiming(
+                    request_id=delta.request_id, arrival_s=state.arrival_s, first_token_s=state.first_token_s,
+                    finished_s=now, num_prompt_tokens=delta.num_prompt_tokens,
+                    num_cached_tokens=delta.num_cached_tokens, num_output_tokens=delta.num_output_tokens,
+                    finish_reason=delta.finish_reason,
+                ))
+            by_sink.setdefault(id(state.sink), (state.sink, []))[1].append(delta)
+        groups = list(by_sink.values())
+        self._call(lambda: [sink.deliver(batch) for sink, batch in groups])
+
+    def _call(self, fn: Callable[[], object]) -> None:
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn)

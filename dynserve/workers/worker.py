@@ -1,0 +1,210 @@
+"""The engine worker: a Ray actor that owns one engine and serves it over the worker channel.
+
+Ray places and starts the actor, and is how its owner asks for its info, load and recent timings and
+tells it to stop. Token traffic goes over the channel (`channel.py`): `start()` opens a TCP listener in the
+actor's event loop and returns a `WorkerInfo` with its address. `generate()` is also offered as a Ray
+streaming generator for callers that hold only the actor handle; both paths feed the same `EngineLoop`.
+
+Roles: `both` (aggregated), `prefill`, `decode`; the role labels the worker's load and metrics, and the
+pools and routers use it to pick workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import msgspec
+
+from dynserve.config import Settings
+from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.protocol import (
+    AbortRequest,
+    ClientFrame,
+    DeltaBatch,
+    GenerateRequest,
+    RequestError,
+    RequestTiming,
+    SamplingParams,
+    TokenDelta,
+    WorkerInfo,
+    WorkerLoad,
+)
+from dynserve.workers.channel import encode_frame, read_frame
+
+__all__ = ["EngineWorker", "Role", "launch_worker"]
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["both", "prefill", "decode"]
+_CLIENT_FRAMES = msgspec.msgpack.Decoder(ClientFrame)
+
+
+class _ConnectionSink:
+    """Writes one connection's deltas and errors; remembers its open requests to abort them on close."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.open_request_ids: set[str] = set()
+
+    def deliver(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            if delta.finished:
+                self.open_request_ids.discard(delta.request_id)
+        self._write(DeltaBatch(deltas))
+
+    def fail(self, error: RequestError) -> None:
+        self.open_request_ids.discard(error.request_id)
+        self._write(error)
+
+    def _write(self, frame: DeltaBatch | RequestError | WorkerLoad) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode_frame(frame))
+
+
+class _QueueSink:
+    """Feeds one request's output to a Ray streaming generator."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
+
+    def deliver(self, deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            self.queue.put_nowait(delta)
+
+    def fail(self, error: RequestError) -> None:
+        self.queue.put_nowait(error)
+
+
+class EngineWorker:
+    """One engine, one role. Construct it as a Ray actor (see `launch_worker`); `start()` before use."""
+
+    def __init__(self, settings: Settings, worker_id: str, role: Role = "both", host: str = "127.0.0.1") -> None:
+        from dynserve.engine.llm_engine import LLMEngine
+
+        if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
+            settings = settings.model_copy(update={"num_threads": len(os.sched_getaffinity(0))})
+        self.worker_id, self.role, self.host = worker_id, role, host
+        self.engine = LLMEngine(settings)
+        # one tiny request before serving, so kernel builds and first-touch allocations do not land on a
+        # user's first request (a prompt shorter than a block caches nothing and emits no KV events)
+        self.engine.generate([self.engine.tokenizer.encode("warm up")], SamplingParams(max_tokens=2, temperature=0))
+        self._loop_runner: Any = None
+        self._server: asyncio.Server | None = None
+        self._info: WorkerInfo | None = None
+        self._draining = False
+
+    async def start(self) -> WorkerInfo:
+        from dynserve.workers.engine_loop import EngineLoop
+
+        if self._info is not None:
+            return self._info
+        self._loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), name=f"engine-{self.worker_id}")
+        self._loop_runner.start()
+        self._server = await asyncio.start_server(self._serve_connection, self.host, 0)
+        port = self._server.sockets[0].getsockname()[1]
+        self._info = WorkerInfo(
+            worker_id=self.worker_id, role=self.role, host=self.host, port=port, model_id=self.engine.model_id,
+            max_model_len=self.engine.max_model_len, block_size=self.engine.block_manager.block_size,
+            num_blocks=self.engine.block_manager.num_blocks,
+        )
+        logger.info("worker %s (%s) serving %s on %s:%d", self.worker_id, self.role, self.engine.model_id,
+                    self.host, port)
+        return self._info
+
+    def load(self) -> WorkerLoad:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        return WorkerLoad(
+            worker_id=self.worker_id, role=self.role, num_blocks_used=blocks.num_used_blocks,
+            num_blocks_total=blocks.num_blocks, num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+        )
+
+    def is_healthy(self) -> bool:
+        return self._loop_runner is not None and self._loop_runner.is_alive
+
+    def recent_timings(self) -> list[RequestTiming]:
+        return self._loop_runner.recent_timings() if self._loop_runner is not None else []
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Ray streaming generator over one request's deltas (the channel is the fast path)."""
+        sink = _QueueSink()
+        self._submit(request, sink)
+        finished = False
+        try:
+            while not finished:
+                item = await sink.queue.get()
+                if isinstance(item, RequestError):
+                    finished = True
+                    if item.retryable:
+                        raise WorkerUnavailableError(item.message, worker_id=self.worker_id)
+                    raise InvalidRequestError(item.message, param=item.param)
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        if self._loop_runner is not None:
+            self._loop_runner.abort(request_id)
+
+    async def stop(self) -> None:
+        """Stop accepting work, fail what is open (retryable), and stop the engine thread."""
+        self._draining = True
+        if self._server is not None:
+            self._server.close()
+        if self._loop_runner is not None:
+            await asyncio.to_thread(self._loop_runner.stop)
+
+    # ---- the channel ---------------------------------------------------------------------------------
+
+    def _submit(self, request: GenerateRequest, sink: Any) -> None:
+        if self._loop_runner is None or self._draining or not self._loop_runner.is_alive:
+            sink.fail(RequestError(request_id=request.request_id, message=f"worker {self.worker_id} is not serving",
+                                   retryable=True))
+            return
+        self._loop_runner.submit(request, sink)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        sink = _ConnectionSink(writer)
+        try:
+            while (body := await read_frame(reader)) is not None:
+                frame = _CLIENT_FRAMES.decode(body)
+                if isinstance(frame, GenerateRequest):
+                    sink.open_request_ids.add(frame.request_id)
+                    self._submit(frame, sink)
+                elif isinstance(frame, AbortRequest):
+                    sink.open_request_ids.discard(frame.request_id)
+                    self.abort(frame.request_id)
+                else:
+                    sink._write(self.load())
+        except (ChannelError, msgspec.DecodeError, OSError) as exc:
+            logger.warning("worker %s: dropping a client connection: %s", self.worker_id, exc)
+        finally:
+            for request_id in sink.open_request_ids:  # the client is gone: free what it left running
+                self.abort(request_id)
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+def launch_worker(
+    settings: Settings, worker_id: str, role: Role = "both", *, num_cpus: float = 1.0, num_gpus: float = 0.0,
+    host: str = "127.0.0.1",
+) -> tuple[Any, Any]:
+    """Create the worker actor and start it; returns (actor handle, ObjectRef of its `WorkerInfo`).
+
+    Resolving the ref waits for the model to load. Ray must be initialized.
+    """
+    import ray
+
+    actor_cls = ray.remote(EngineWorker)
+    handle = actor_cls.options(
+        num_cpus=num_cpus, num_gpus=num_gpus, name=f"dynserve-worker-{worker_id}", max_concurrency=1000
+    ).remote(settings, worker_id, role, host)
+    return handle, handle.start.remote()
