@@ -35,6 +35,8 @@ class Settings(BaseSettings):
     attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="'auto': triton on GPU")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
     seed: int = Field(0, description="seed for requests that give none")
+    engine_nice: int = Field(5, ge=0, le=19, description="on CPU, how much lower a worker's engine threads run "
+                             "than its I/O, so streaming is not stuck behind compute")
 
     # ---- gateway ----
     host: str = Field("127.0.0.1", description="gateway listen address", json_schema_extra=_GATEWAY)

@@ -7,7 +7,6 @@ started, in that order.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -94,7 +93,7 @@ def serve(settings: Settings) -> int:
         def on_ready(port: int) -> None:
             print(_banner(settings, info.model_id, port), file=sys.stderr, flush=True)
 
-        asyncio.run(serve_app(app, settings, on_ready))
+        serve_app(app, settings, on_ready)
         print("dynserve: stopped", file=sys.stderr)
         return EXIT_OK
     finally:

@@ -13,6 +13,7 @@ A malformed body is a 400, never a 500; a 500 means a bug in dynserve and is log
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -24,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 
-__all__ = ["ApiError", "BodySizeLimit", "error_body", "install_error_handlers"]
+__all__ = ["ApiError", "BodySizeLimit", "error_body", "install_error_handlers", "validation_error"]
 
 logger = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()
@@ -46,9 +47,14 @@ class ApiError(Exception):
         return cls(503, message, type="server_error", code="service_unavailable",
                    headers={"Retry-After": str(retry_after_s)})
 
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
+
     def response(self) -> Response:
-        return Response(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
-                        media_type="application/json", headers=self.headers)
+        return Response(self.body(), status_code=self.status, media_type="application/json", headers=self.headers)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> bytes:
@@ -68,8 +74,8 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     return out or None
 
 
-def _validation_error(exc: RequestValidationError) -> ApiError:
-    errors = exc.errors()
+def validation_error(errors: Sequence[Any]) -> ApiError:
+    """The 400 for pydantic/FastAPI validation errors: the first error, its location as an OpenAI `param`."""
     if not errors:
         return ApiError(400, "the request body is invalid")
     first = errors[0]
@@ -80,7 +86,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     param = _param_from_loc(tuple(first.get("loc", ())))
     if first.get("type") == "extra_forbidden":
         return ApiError(400, f"Unrecognized request argument supplied: {param}", param=param)
-    if first.get("type") == "model_attributes_type":
+    if first.get("type") in ("model_attributes_type", "model_type") and not _param_from_loc(tuple(first["loc"])):
         return ApiError(400, "the request body must be a JSON object")
     return ApiError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
 
@@ -92,7 +98,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_validation(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RequestValidationError)
-        return _validation_error(exc).response()
+        return validation_error(exc.errors()).response()
 
     async def on_invalid(_request: Request, exc: Exception) -> Response:
         assert isinstance(exc, InvalidRequestError)

@@ -32,8 +32,15 @@ def _config(app: FastAPI, settings: Settings) -> uvicorn.Config:
                           loop="uvloop", http="httptools", timeout_graceful_shutdown=5, lifespan="on")
 
 
-async def serve_app(app: FastAPI, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; `on_ready(port)` runs once the socket is bound and workers connected."""
+def serve_app(app: FastAPI, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve in the foreground on uvloop until SIGINT/SIGTERM; `on_ready(port)` runs once the socket is
+    bound and the workers are connected."""
+    import uvloop
+
+    uvloop.run(_serve_app(app, settings, on_ready))
+
+
+async def _serve_app(app: FastAPI, settings: Settings, on_ready: Callable[[int], None] | None) -> None:
     server = uvicorn.Server(_config(app, settings))
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():

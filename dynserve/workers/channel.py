@@ -160,7 +160,7 @@ class WorkerConnection:
         self._send(LoadRequest())
         self._load_waiters.append(waiter)
         try:
-            return await asyncio.wait_for(asyncio.shield(waiter), timeout_s)
+            return await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError as exc:
             raise WorkerUnavailableError(
                 f"worker {self.worker_id} did not report its load within {timeout_s} s", worker_id=self.worker_id

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -89,6 +90,9 @@ class EngineWorker:
         if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
             settings = settings.model_copy(update={"num_threads": len(os.sched_getaffinity(0))})
         self.worker_id, self.role, self.host = worker_id, role, host
+        # The engine thread runs Python between kernels while holding the GIL; a short switch interval bounds
+        # how long the channel's I/O thread waits to move a finished token (the default is 5 ms).
+        sys.setswitchinterval(0.0005)
         self.engine = LLMEngine(settings)
         # one tiny request before serving, so kernel builds and first-touch allocations do not land on a
         # user's first request (a prompt shorter than a block caches nothing and emits no KV events)
@@ -103,7 +107,9 @@ class EngineWorker:
 
         if self._info is not None:
             return self._info
-        self._loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), name=f"engine-{self.worker_id}")
+        nice = self.engine.settings.engine_nice if self.engine.device.type == "cpu" else 0
+        self._loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), name=f"engine-{self.worker_id}",
+                                       nice=nice)
         self._loop_runner.start()
         self._server = await asyncio.start_server(self._serve_connection, self.host, 0)
         port = self._server.sockets[0].getsockname()[1]
