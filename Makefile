@@ -11,10 +11,11 @@ test: setup
 	$(PY) -m pytest
 
 serve: setup
-	$(VENV)/bin/dynctl generate "Write a haiku about distributed systems."
+	$(VENV)/bin/dynctl serve
 
 bench: setup
 	$(PY) -m benchmarks.engine --quick
+	$(PY) -m benchmarks.gateway --quick
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis benchmarks/results

@@ -7,6 +7,8 @@ TRITON_INTERPRET must be set before anything imports triton, so it is set here, 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -60,15 +62,17 @@ def hf_model() -> Any:
 # ---- serving: one Ray instance, one engine worker, gateways over it ------------------------------------
 
 @pytest.fixture(scope="session")
-def ray_instance(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def ray_instance() -> Any:
     """A local Ray instance for the session (small object store, no dashboard, no auth token)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+             _temp_dir=temp_dir)
     yield ray
     ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

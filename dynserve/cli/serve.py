@@ -93,7 +93,10 @@ def serve(settings: Settings) -> int:
         def on_ready(port: int) -> None:
             print(_banner(settings, info.model_id, port), file=sys.stderr, flush=True)
 
-        serve_app(app, settings, on_ready)
+        try:
+            serve_app(app, settings, on_ready)
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after its graceful shutdown
+            pass
         print("dynserve: stopped", file=sys.stderr)
         return EXIT_OK
     finally:

@@ -87,6 +87,8 @@ def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_mod
     if request.best_of is not None and request.best_of != request.n:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
     raw = request.prompt
+    if not raw:
+        raise InvalidRequestError("prompt is empty", param="prompt")
     if isinstance(raw, str):
         prompts = [tokenizer.encode(raw)]
     elif raw and isinstance(raw[0], int):

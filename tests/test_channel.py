@@ -1,0 +1,118 @@
+"""The worker channel and the worker actor's two ways of streaming (TCP channel, Ray streaming generator)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+
+import pytest
+
+from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.protocol import GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, WorkerInfo
+from dynserve.workers.channel import MAX_FRAME_BYTES, WorkerConnection, merge_deltas, read_frame
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def test_merge_deltas_joins_in_order_and_keeps_the_last_state() -> None:
+    lp = [TokenLogprob(i, -0.1 * i, []) for i in range(3)]
+    deltas = [TokenDelta(request_id="r", token_ids=[1], text="a", logprobs=[lp[0]], num_output_tokens=1),
+              TokenDelta(request_id="r", token_ids=[2], text="", logprobs=[lp[1]], num_output_tokens=2),
+              TokenDelta(request_id="r", token_ids=[3], text="bc", logprobs=[lp[2]], num_output_tokens=3,
+                         finished=True, finish_reason="stop")]
+    merged = merge_deltas(deltas)
+    assert (merged.token_ids, merged.text, merged.logprobs) == ([1, 2, 3], "abc", lp)
+    assert (merged.finished, merged.finish_reason, merged.num_output_tokens) == (True, "stop", 3)
+
+
+def test_oversized_or_truncated_frames_are_channel_errors() -> None:
+    async def read(data: bytes) -> bytes | None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_frame(reader)
+
+    assert asyncio.run(read(b"")) is None  # a clean end of stream
+    with pytest.raises(ChannelError):
+        asyncio.run(read(struct.pack("!I", MAX_FRAME_BYTES + 1)))
+    with pytest.raises(ChannelError):
+        asyncio.run(read(struct.pack("!I", 10) + b"abc"))
+
+
+def test_a_peer_that_drops_the_connection_ends_streams_retryably() -> None:
+    """A stand-in peer (not a worker) that reads one frame and hangs up, as a crashing worker would."""
+
+    async def scenario() -> None:
+        async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await read_frame(reader)
+            writer.close()
+
+        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        info = WorkerInfo(worker_id="peer", role="both", host="127.0.0.1", port=port, model_id="m",
+                          max_model_len=64, block_size=16, num_blocks=4)
+        connection = WorkerConnection(info)
+        await connection.connect()
+        with pytest.raises(WorkerUnavailableError):
+            async for _ in connection.generate(GenerateRequest(request_id="r", token_ids=[1, 2], params=GREEDY)):
+                pass
+        assert not connection.is_open
+        with pytest.raises(WorkerUnavailableError):
+            await connection.load()
+        server.close()
+
+    asyncio.run(scenario())
+
+
+def test_unreachable_worker_is_unavailable() -> None:
+    info = WorkerInfo(worker_id="none", role="both", host="127.0.0.1", port=1, model_id="m", max_model_len=64,
+                      block_size=16, num_blocks=4)
+    with pytest.raises(WorkerUnavailableError):
+        asyncio.run(WorkerConnection(info).connect(timeout_s=1))
+
+
+def _channel_run(info: WorkerInfo, requests: list[GenerateRequest]) -> list[list[TokenDelta]]:
+    async def scenario() -> list[list[TokenDelta]]:
+        connection = WorkerConnection(info)
+        await connection.connect()
+
+        async def collect(request: GenerateRequest) -> list[TokenDelta]:
+            return [d async for d in connection.generate(request)]
+
+        try:
+            return list(await asyncio.gather(*(collect(r) for r in requests)))
+        finally:
+            await connection.close()
+
+    return asyncio.run(scenario())
+
+
+def test_channel_streams_and_ray_generator_agree(worker: Any, tokenizer: Any) -> None:
+    import ray
+
+    handle, info = worker
+    prompt = tokenizer.encode("The quick brown fox")
+    (via_channel,) = _channel_run(info, [GenerateRequest(request_id="chan-1", token_ids=prompt, params=GREEDY)])
+    assert via_channel[-1].finished and via_channel[-1].num_output_tokens == 8
+    refs = handle.generate.remote(GenerateRequest(request_id="ray-1", token_ids=prompt, params=GREEDY))
+    via_ray = [ray.get(ref) for ref in refs]
+    assert [t for d in via_ray for t in d.token_ids] == [t for d in via_channel for t in d.token_ids]
+    assert "".join(d.text for d in via_ray) == "".join(d.text for d in via_channel)
+
+
+def test_many_requests_share_one_connection(worker: Any, tokenizer: Any) -> None:
+    _, info = worker
+    requests = [GenerateRequest(request_id=f"multi-{i}", token_ids=tokenizer.encode(f"Count to {i}:"),
+                                params=GREEDY) for i in range(6)]
+    results = _channel_run(info, requests)
+    for request, deltas in zip(requests, results, strict=True):
+        assert all(d.request_id == request.request_id for d in deltas)
+        assert sum(len(d.token_ids) for d in deltas) == 8 and deltas[-1].finished
+
+
+def test_the_worker_refuses_invalid_requests_by_name(worker: Any) -> None:
+    _, info = worker
+    with pytest.raises(InvalidRequestError) as error:
+        _channel_run(info, [GenerateRequest(request_id="bad-1", token_ids=[10**7], params=GREEDY)])
+    assert error.value.param == "prompt"

@@ -1,0 +1,71 @@
+"""`dynctl serve` as a user runs it: flags with env twins, a real process answering HTTP, Ctrl-C stopping it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+DYNCTL = str(Path(sys.executable).parent / "dynctl")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_serve_help_lists_each_flag_with_its_env_twin() -> None:
+    out = subprocess.run([DYNCTL, "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("model", "host", "port", "api-key", "max-queue", "dtype", "kv-blocks", "block-size", "ray-address"):
+        env = "DYN_" + flag.upper().replace("-", "_")
+        assert f"--{flag}" in out and f"env: {env}" in out, flag
+
+
+def test_bad_flag_values_exit_2_with_a_message() -> None:
+    done = subprocess.run([DYNCTL, "serve", "--port", "eighty"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--port" in done.stderr
+
+
+def test_serve_answers_chat_and_stops_on_ctrl_c() -> None:
+    port = _free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    env = {**os.environ, "DYN_KV_BLOCKS": "256", "DYN_API_KEY": "k3y", "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    process = subprocess.Popen([DYNCTL, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = []
+        deadline = time.monotonic() + 240
+        while not any('"messages"' in line for line in banner):  # the last line of the banner
+            assert process.poll() is None, "".join(banner)
+            assert time.monotonic() < deadline, "dynctl serve did not become ready"
+            banner.append(process.stderr.readline())  # type: ignore[union-attr]
+        text = "".join(banner)
+        assert f"http://localhost:{port}/v1" in text and "curl" in text and "k3y" not in text
+        body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 8}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        assert httpx.post(url, json=body, timeout=60).status_code == 401  # DYN_API_KEY took effect
+        answer = httpx.post(url, json=body, headers={"Authorization": "Bearer k3y"}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        finally:
+            rest = process.stderr.read()  # type: ignore[union-attr]
+            process.stderr.close()  # type: ignore[union-attr]
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert code == 0
+    assert "stopped" in rest
