@@ -148,13 +148,18 @@ def test_completion_logprobs(client: openai.OpenAI) -> None:
     assert logprobs.text_offset[0] == 0
 
 
-def test_cached_tokens_reported_for_a_shared_prefix(client: openai.OpenAI) -> None:
+def test_cached_tokens_reported_for_a_shared_prefix(client: openai.OpenAI, worker: Any) -> None:
+    import ray
+
     system = "You are a helpful assistant who answers in detail. " * 30  # ~300 tokens
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 16 and cached > 256
+    ray.get(worker[0].reset_prefix_cache.remote())
+    cold = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
 
 
 # ---- errors a client sees ---------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class EngineWorker:
     """One engine, one role. Construct it as a Ray actor (see `launch_worker`); `start()` before use."""
 
     def __init__(self, settings: Settings, worker_id: str, role: Role = "both", host: str = "127.0.0.1") -> None:
-        from dynserve.engine.llm_engine import LLMEngine
+        from dynserve.workers.engine_loop import EngineLoop
 
         if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
             settings = settings.model_copy(update={"num_threads": len(os.sched_getaffinity(0))})
@@ -93,24 +93,18 @@ class EngineWorker:
         # The engine thread runs Python between kernels while holding the GIL; a short switch interval bounds
         # how long the channel's I/O thread waits to move a finished token (the default is 5 ms).
         sys.setswitchinterval(0.0005)
-        self.engine = LLMEngine(settings)
-        # one tiny request before serving, so kernel builds and first-touch allocations do not land on a
-        # user's first request (a prompt shorter than a block caches nothing and emits no KV events)
-        self.engine.generate([self.engine.tokenizer.encode("warm up")], SamplingParams(max_tokens=2, temperature=0))
-        self._loop_runner: Any = None
+        on_cpu = settings.device == "cpu" or (settings.device == "auto" and not _cuda_available())
+        self._runner = EngineLoop(lambda: _build_engine(settings), name=f"engine-{worker_id}",
+                                  nice=settings.engine_nice if on_cpu else 0)
+        self.engine = self._runner.start()  # loads the model on the engine's own thread
         self._server: asyncio.Server | None = None
         self._info: WorkerInfo | None = None
         self._draining = False
 
     async def start(self) -> WorkerInfo:
-        from dynserve.workers.engine_loop import EngineLoop
-
         if self._info is not None:
             return self._info
-        nice = self.engine.settings.engine_nice if self.engine.device.type == "cpu" else 0
-        self._loop_runner = EngineLoop(self.engine, asyncio.get_running_loop(), name=f"engine-{self.worker_id}",
-                                       nice=nice)
-        self._loop_runner.start()
+        self._runner.attach(asyncio.get_running_loop())
         self._server = await asyncio.start_server(self._serve_connection, self.host, 0)
         port = self._server.sockets[0].getsockname()[1]
         self._info = WorkerInfo(
@@ -131,10 +125,10 @@ class EngineWorker:
         )
 
     def is_healthy(self) -> bool:
-        return self._loop_runner is not None and self._loop_runner.is_alive
+        return self._runner.is_alive
 
     def recent_timings(self) -> list[RequestTiming]:
-        return self._loop_runner.recent_timings() if self._loop_runner is not None else []
+        return self._runner.recent_timings()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Ray streaming generator over one request's deltas (the channel is the fast path)."""
@@ -156,25 +150,27 @@ class EngineWorker:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        if self._loop_runner is not None:
-            self._loop_runner.abort(request_id)
+        self._runner.abort(request_id)
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (between benchmark rounds, after a weight change)."""
+        await asyncio.wrap_future(self._runner.call(lambda engine: engine.reset_prefix_cache()))
 
     async def stop(self) -> None:
         """Stop accepting work, fail what is open (retryable), and stop the engine thread."""
         self._draining = True
         if self._server is not None:
             self._server.close()
-        if self._loop_runner is not None:
-            await asyncio.to_thread(self._loop_runner.stop)
+        await asyncio.to_thread(self._runner.stop)
 
     # ---- the channel ---------------------------------------------------------------------------------
 
     def _submit(self, request: GenerateRequest, sink: Any) -> None:
-        if self._loop_runner is None or self._draining or not self._loop_runner.is_alive:
+        if self._info is None or self._draining or not self._runner.is_alive:
             sink.fail(RequestError(request_id=request.request_id, message=f"worker {self.worker_id} is not serving",
                                    retryable=True))
             return
-        self._loop_runner.submit(request, sink)
+        self._runner.submit(request, sink)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sink = _ConnectionSink(writer)
@@ -199,6 +195,22 @@ class EngineWorker:
                 await writer.wait_closed()
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _build_engine(settings: Settings) -> Any:
+    from dynserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(settings)
+    # one tiny request before serving, so kernel builds and first-touch allocations do not land on a
+    # user's first request (a prompt shorter than a block caches nothing and emits no KV events)
+    engine.generate([engine.tokenizer.encode("warm up")], SamplingParams(max_tokens=2, temperature=0))
+    return engine
+
+
 def launch_worker(
     settings: Settings, worker_id: str, role: Role = "both", *, num_cpus: float = 1.0, num_gpus: float = 0.0,
     host: str = "127.0.0.1",
@@ -209,8 +221,13 @@ def launch_worker(
     """
     import ray
 
+    # Ray starts actors with OMP_NUM_THREADS set to their CPU reservation (1 here); torch's later
+    # set_num_threads does not undo that for its GEMMs, which then run up to 4x slower. Start the process
+    # with the thread count the engine will use.
+    num_threads = settings.num_threads or os.cpu_count() or 1
     actor_cls = ray.remote(EngineWorker)
     handle = actor_cls.options(
-        num_cpus=num_cpus, num_gpus=num_gpus, name=f"dynserve-worker-{worker_id}", max_concurrency=1000
-    ).remote(settings, worker_id, role, host)
+        num_cpus=num_cpus, num_gpus=num_gpus, name=f"dynserve-worker-{worker_id}", max_concurrency=1000,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
+    ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, host)
     return handle, handle.start.remote()

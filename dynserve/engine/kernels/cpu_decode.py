@@ -11,6 +11,8 @@ minute on 2 cores).
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import logging
 import platform
 from pathlib import Path
@@ -29,6 +31,11 @@ def load() -> Any | None:
     or None when it cannot be built here."""
     try:
         from torch.utils import cpp_extension
+
+        # the build runs `ninja` from PATH; a venv's ninja is found even when the venv is not activated
+        bin_dir = str(Path(sys.executable).parent)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
         flags = ["-O3", "-ffast-math", "-fopenmp"]  # at::parallel_for is OpenMP inside the header
         if platform.machine() in ("x86_64", "AMD64"):
