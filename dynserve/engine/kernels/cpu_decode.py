@@ -11,10 +11,10 @@ minute on 2 cores).
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import logging
+import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
