@@ -303,25 +303,30 @@ class _Run:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(self) -> AsyncIterator[bytes]:
+        """SSE bytes, one piece per merged delta (its chunks written together); the last delta, the usage
+        chunk and `[DONE]` go out as one piece, so a short answer costs the fewest socket writes."""
         builder = self.builder
+        tail = b""
         try:
             if self.kind == "chat":
-                for i in range(len(self.requests)):
-                    yield builder.role_chunk(i)
+                yield b"".join(builder.role_chunk(i) for i in range(len(self.requests)))
             async with contextlib.aclosing(self._deltas()) as deltas:
                 async for index, delta in deltas:
                     self._observe(index, delta)
-                    for chunk in builder.delta_chunks(self.choices[index], delta):
-                        yield chunk
+                    piece = b"".join(builder.delta_chunks(self.choices[index], delta))
+                    if all(c.finish_reason is not None for c in self.choices):
+                        tail = piece
+                    elif piece:
+                        yield piece
             if builder.include_usage:
-                yield builder.usage_chunk(self.choices)
+                tail += builder.usage_chunk(self.choices)
         except InvalidRequestError as exc:
-            yield _error_event(ApiError.from_invalid(exc))
+            tail += _error_event(ApiError.from_invalid(exc))
         except WorkerUnavailableError as exc:
-            yield _error_event(ApiError.unavailable(str(exc)))
+            tail += _error_event(ApiError.unavailable(str(exc)))
         finally:
             self._release()
-        yield DONE
+        yield tail + DONE
 
     async def collect(self) -> bytes:
         """The whole response body; raises InvalidRequestError / WorkerUnavailableError."""
