@@ -33,6 +33,7 @@ class KVIndex:
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}  # block hash -> bitmask of workers
         self._workers: dict[str, _Worker] = {}
+        self._owners: dict[int, str] = {}  # bit -> worker id
         self._free_bits: list[int] = []
         self._next_bit = 0
 
@@ -67,6 +68,7 @@ class KVIndex:
             else:
                 bit, self._next_bit = 1 << self._next_bit, self._next_bit + 1
             worker = self._workers[worker_id] = _Worker(bit)
+            self._owners[bit] = worker_id
         return worker
 
     def remove_worker(self, worker_id: str) -> None:
@@ -74,6 +76,7 @@ class KVIndex:
         if worker is None:
             return
         self._drop_all(worker)
+        del self._owners[worker.bit]
         self._free_bits.append(worker.bit)
 
     # ---- events ----------------------------------------------------------------------------------------
@@ -144,14 +147,13 @@ class KVIndex:
             depth += 1
         if candidates:
             dropped_at.append((candidates, depth))
-        if not dropped_at:
-            return {}
         overlaps: dict[str, int] = {}
-        for worker_id, worker in self._workers.items():
-            for mask, overlap in dropped_at:
-                if mask & worker.bit:
-                    overlaps[worker_id] = overlap
-                    break
+        owners = self._owners
+        for mask, overlap in dropped_at:
+            while mask:  # one step per matching worker, not per worker known
+                low = mask & -mask
+                overlaps[owners[low]] = overlap
+                mask ^= low
         return overlaps
 
     def check_integrity(self) -> None:
@@ -162,6 +164,7 @@ class KVIndex:
             known |= worker.bit
             for block_hash in worker.blocks:
                 assert self._holders.get(block_hash, 0) & worker.bit, f"{block_hash} lacks the holder's bit"
+        assert set(self._owners) == {w.bit for w in self._workers.values()}, "bit owners disagree with workers"
         for block_hash, mask in self._holders.items():
             assert mask, f"{block_hash} has an empty mask"
             assert not mask & ~known, f"{block_hash} names unknown workers"
