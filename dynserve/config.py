@@ -54,6 +54,10 @@ class Settings(BaseSettings):
                                     json_schema_extra=_CLUSTER)
     worker_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each worker",
                                    json_schema_extra=_CLUSTER)
+    redis_url: str | None = Field(None, description="event plane and registry on this Redis; default: embedded "
+                                  "in Ray", json_schema_extra=_CLUSTER)
+    worker_lease_s: float = Field(3.0, gt=0, description="a worker's registry lease; heartbeats every third",
+                                  json_schema_extra=_CLUSTER)
 
     @classmethod
     def field_names(cls, group: str) -> list[str]:

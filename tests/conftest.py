@@ -77,11 +77,12 @@ def ray_instance() -> Any:
 
 @pytest.fixture(scope="session")
 def worker(ray_instance: Any) -> Any:
-    """One engine worker actor (fp32, 512 KV blocks of 16 tokens); returns (handle, WorkerInfo)."""
+    """One engine worker actor (fp32, 512 KV blocks of 16 tokens) publishing its KV events on the embedded
+    event plane; returns (handle, WorkerInfo)."""
     from dynserve.workers.worker import launch_worker
 
     settings = Settings(dtype="float32", device="cpu", kv_blocks=512, num_threads=2)
-    handle, info_ref = launch_worker(settings, "w0", num_cpus=1)
+    handle, info_ref = launch_worker(settings, "w0", num_cpus=1, publish_events=True)
     info = ray_instance.get(info_ref, timeout=300)
     yield handle, info
     ray_instance.kill(handle)

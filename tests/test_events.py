@@ -162,3 +162,39 @@ def test_a_real_engines_events_rebuild_its_cache_in_the_index(make_plane: PlaneF
         await plane.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_actor_publishes_its_kv_events_and_registers(worker: Any, gateway: Any) -> None:
+    """The session worker publishes on the embedded (Ray) plane: replaying everything it published rebuilds
+    exactly its snapshot, and it is listed in the registry."""
+    import httpx
+    import ray
+
+    from dynserve.events.ray_plane import RayEventPlane
+
+    handle, _ = worker
+    system = "You are a meticulous assistant. " * 20
+    for question in ("Why is the sky blue?", "Why is grass green?"):
+        httpx.post(f"{gateway.url}/v1/chat/completions", timeout=60, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+
+    async def replay() -> tuple[KVIndex, list[str]]:
+        plane = RayEventPlane()
+        index, cursor = KVIndex(), "0"
+        while True:
+            batches, cursor = await plane.read(cursor, block_s=0.2)
+            if not batches:
+                return index, [w.worker_id for w in await plane.workers()]
+            for batch in batches:
+                assert index.apply(batch.worker_id, batch.events)
+
+    deadline = time.monotonic() + 5
+    while True:
+        hashes, last_event_id = ray.get(handle.kv_snapshot.remote())
+        index, registered = asyncio.run(replay())
+        if index.last_event_id("w0") == last_event_id:
+            break
+        assert time.monotonic() < deadline, "published events did not catch up with the snapshot"
+    assert index.worker_blocks("w0") == set(hashes) and len(hashes) >= 8  # the shared ~120-token system prompt
+    assert registered == ["w0"]

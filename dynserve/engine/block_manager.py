@@ -185,6 +185,11 @@ class BlockManager:
         self._hash_to_block.clear()
         self._events.append(AllBlocksCleared(self._take_event_id()))
 
+    @property
+    def last_event_id(self) -> int | None:
+        """The id of the newest event emitted (drained or not); None before the first."""
+        return self._next_event_id - 1 if self._next_event_id else None
+
     def cached_block_hashes(self) -> list[int]:
         """Snapshot of every cached hash (for a router resyncing after a gap)."""
         return list(self._hash_to_block)

@@ -30,7 +30,7 @@ from typing import Protocol
 
 from dynserve.engine.llm_engine import LLMEngine
 from dynserve.errors import InvalidRequestError
-from dynserve.protocol import GenerateRequest, RequestError, RequestTiming, TokenDelta
+from dynserve.protocol import GenerateRequest, KVEvent, RequestError, RequestTiming, TokenDelta
 
 __all__ = ["EngineLoop", "Sink"]
 
@@ -68,8 +68,10 @@ _Command = tuple[GenerateRequest, Sink, float] | str | _Stop | _Call
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], LLMEngine], *, name: str = "engine", nice: int = 0) -> None:
+    def __init__(self, build: Callable[[], LLMEngine], *, name: str = "engine", nice: int = 0,
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None) -> None:
         self._build = build
+        self._on_kv_events = on_kv_events  # called on the asyncio loop with each step's KV events, in order
         self._nice = nice
         self._built = threading.Event()
         self.engine: LLMEngine | None = None
@@ -143,11 +145,20 @@ class EngineLoop:
             while self._apply_commands(block=not engine.has_unfinished_requests()):
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
+                self._forward_kv_events(engine)
             self._fail_open("the worker is stopping")
         except BaseException as exc:  # the engine broke: nothing it holds can finish here
             self.failure = exc
             logger.exception("engine loop failed; failing %d open requests", len(self._open))
             self._fail_open(f"the worker's engine failed: {exc}")
+
+    def _forward_kv_events(self, engine: LLMEngine) -> None:
+        if self._on_kv_events is None:
+            return
+        events = engine.drain_kv_events()
+        if events:
+            on_kv_events = self._on_kv_events
+            self._call(lambda: on_kv_events(events))
 
     def _fail_open(self, message: str) -> None:
         while True:  # calls queued behind the stop get an answer too

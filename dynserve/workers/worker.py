@@ -29,6 +29,7 @@ from dynserve.protocol import (
     DeltaBatch,
     GenerateRequest,
     RequestError,
+    KVEvent,
     RequestTiming,
     SamplingParams,
     TokenDelta,
@@ -84,7 +85,10 @@ class _QueueSink:
 class EngineWorker:
     """One engine, one role. Construct it as a Ray actor (see `launch_worker`); `start()` before use."""
 
-    def __init__(self, settings: Settings, worker_id: str, role: Role = "both", host: str = "127.0.0.1") -> None:
+    def __init__(self, settings: Settings, worker_id: str, role: Role = "both", host: str = "127.0.0.1",
+                 publish_events: bool = False) -> None:
+        """`publish_events`: register on the event plane (Redis at `settings.redis_url`, else the one embedded
+        in Ray), keep the lease alive, and publish every KV event there in order."""
         from dynserve.workers.engine_loop import EngineLoop
 
         if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
@@ -94,8 +98,13 @@ class EngineWorker:
         # how long the channel's I/O thread waits to move a finished token (the default is 5 ms).
         sys.setswitchinterval(0.0005)
         on_cpu = settings.device == "cpu" or (settings.device == "auto" and not _cuda_available())
+        self._settings = settings
+        self._publish_events = publish_events
+        self._outbox: asyncio.Queue[list[KVEvent]] | None = None
+        self._background: list[asyncio.Task[None]] = []
         self._runner = EngineLoop(lambda: _build_engine(settings), name=f"engine-{worker_id}",
-                                  nice=settings.engine_nice if on_cpu else 0)
+                                  nice=settings.engine_nice if on_cpu else 0,
+                                  on_kv_events=self._queue_kv_events if publish_events else None)
         self.engine = self._runner.start()  # loads the model on the engine's own thread
         self._server: asyncio.Server | None = None
         self._info: WorkerInfo | None = None
@@ -114,7 +123,48 @@ class EngineWorker:
         )
         logger.info("worker %s (%s) serving %s on %s:%d", self.worker_id, self.role, self.engine.model_id,
                     self.host, port)
+        if self._publish_events:
+            from dynserve.events.ray_plane import connect_event_plane
+
+            plane = connect_event_plane(self._settings.redis_url)
+            await plane.register(self._info, self._settings.worker_lease_s)
+            self._outbox = asyncio.Queue()
+            self._background = [asyncio.create_task(self._publish_forever(plane)),
+                                asyncio.create_task(self._heartbeat_forever(plane))]
         return self._info
+
+    def _queue_kv_events(self, events: list[KVEvent]) -> None:
+        if self._outbox is not None:
+            self._outbox.put_nowait(events)
+
+    async def _publish_forever(self, plane: Any) -> None:
+        """One publisher, so events reach the plane in the order the engine emitted them."""
+        assert self._outbox is not None
+        while True:
+            events = await self._outbox.get()
+            while not self._outbox.empty():
+                events = events + self._outbox.get_nowait()
+            try:
+                await plane.publish(self.worker_id, events)
+            except Exception:  # the plane is down: routers will see the gap and resync
+                logger.exception("worker %s could not publish %d KV events", self.worker_id, len(events))
+
+    async def _heartbeat_forever(self, plane: Any) -> None:
+        assert self._info is not None
+        while True:
+            await asyncio.sleep(self._settings.worker_lease_s / 3)
+            try:
+                await plane.register(self._info, self._settings.worker_lease_s)
+            except Exception:
+                logger.exception("worker %s could not renew its lease", self.worker_id)
+
+    async def kv_snapshot(self) -> tuple[list[int], int | None]:
+        """(every cached block hash, the id of the last KV event they reflect), taken between steps."""
+        def take(engine: Any) -> tuple[list[int], int | None]:
+            blocks = engine.block_manager
+            return blocks.cached_block_hashes(), blocks.last_event_id
+
+        return await asyncio.wrap_future(self._runner.call(take))  # type: ignore[arg-type]
 
     def load(self) -> WorkerLoad:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
@@ -161,6 +211,8 @@ class EngineWorker:
         self._draining = True
         if self._server is not None:
             self._server.close()
+        for task in self._background:
+            task.cancel()
         await asyncio.to_thread(self._runner.stop)
 
     # ---- the channel ---------------------------------------------------------------------------------
@@ -213,7 +265,7 @@ def _build_engine(settings: Settings) -> Any:
 
 def launch_worker(
     settings: Settings, worker_id: str, role: Role = "both", *, num_cpus: float = 1.0, num_gpus: float = 0.0,
-    host: str = "127.0.0.1",
+    host: str = "127.0.0.1", publish_events: bool = False,
 ) -> tuple[Any, Any]:
     """Create the worker actor and start it; returns (actor handle, ObjectRef of its `WorkerInfo`).
 
@@ -229,5 +281,5 @@ def launch_worker(
     handle = actor_cls.options(
         num_cpus=num_cpus, num_gpus=num_gpus, name=f"dynserve-worker-{worker_id}", max_concurrency=1000,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
-    ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, host)
+    ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, host, publish_events)
     return handle, handle.start.remote()

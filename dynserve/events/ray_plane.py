@@ -1,0 +1,75 @@
+"""The embedded event plane: the in-process backend hosted in one named Ray actor, so workers and gateways
+on any node of the Ray cluster share it with no service to run. `connect_event_plane` picks Redis when a
+URL is configured and this otherwise."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from dynserve.events.base import EventBatch, EventPlane
+from dynserve.events.memory import MemoryEventPlane
+from dynserve.protocol import KVEvent, WorkerInfo
+
+__all__ = ["ACTOR_NAME", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
+
+ACTOR_NAME = "dynserve-event-plane"
+
+
+class EventPlaneActor:
+    """A `MemoryEventPlane` behind Ray; every method mirrors `EventPlane`'s."""
+
+    def __init__(self, max_len: int = 100_000) -> None:
+        self._plane = MemoryEventPlane(max_len=max_len)
+
+    async def publish(self, worker_id: str, events: list[KVEvent]) -> None:
+        await self._plane.publish(worker_id, events)
+
+    async def read(self, cursor: str, max_batches: int, block_s: float) -> tuple[list[EventBatch], str]:
+        return await self._plane.read(cursor, max_batches=max_batches, block_s=block_s)
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        await self._plane.register(info, ttl_s)
+
+    async def deregister(self, worker_id: str) -> None:
+        await self._plane.deregister(worker_id)
+
+    async def workers(self) -> list[WorkerInfo]:
+        return await self._plane.workers()
+
+
+class RayEventPlane(EventPlane):
+    """Client of the shared `EventPlaneActor` (created on first use, found by name afterwards)."""
+
+    def __init__(self, handle: Any | None = None) -> None:
+        import ray
+
+        self._handle = handle or ray.remote(EventPlaneActor).options(
+            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_concurrency=1000,
+        ).remote()
+
+    async def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+        if events:
+            await self._handle.publish.remote(worker_id, list(events))
+
+    async def read(self, cursor: str, *, max_batches: int = 1000,
+                   block_s: float = 1.0) -> tuple[list[EventBatch], str]:
+        return await self._handle.read.remote(cursor, max_batches, block_s)
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        await self._handle.register.remote(info, ttl_s)
+
+    async def deregister(self, worker_id: str) -> None:
+        await self._handle.deregister.remote(worker_id)
+
+    async def workers(self) -> list[WorkerInfo]:
+        return await self._handle.workers.remote()
+
+
+def connect_event_plane(redis_url: str | None) -> EventPlane:
+    """Redis when `redis_url` is given, else the embedded plane in Ray (Ray must be initialized)."""
+    if redis_url:
+        from dynserve.events.redis_plane import RedisEventPlane
+
+        return RedisEventPlane(redis_url)
+    return RayEventPlane()
