@@ -54,6 +54,14 @@ class Settings(BaseSettings):
                                     json_schema_extra=_CLUSTER)
     worker_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each worker",
                                    json_schema_extra=_CLUSTER)
+    workers: int = Field(1, ge=1, description="engine workers to start (dynctl serve)", json_schema_extra=_CLUSTER)
+    router: Literal["kv", "round_robin", "random", "least_loaded"] = Field(
+        "kv", description="how the gateway picks a worker: prefix-cache overlap and load, or a baseline",
+        json_schema_extra=_CLUSTER)
+    overlap_weight: float = Field(1.0, ge=0, description="kv router: weight of blocks to prefill against load",
+                                  json_schema_extra=_CLUSTER)
+    router_temperature: float = Field(0.0, ge=0, description="kv router: 0 picks the cheapest worker, more "
+                                      "samples among near-equal ones", json_schema_extra=_CLUSTER)
     redis_url: str | None = Field(None, description="event plane and registry on this Redis; default: embedded "
                                   "in Ray", json_schema_extra=_CLUSTER)
     worker_lease_s: float = Field(3.0, gt=0, description="a worker's registry lease; heartbeats every third",

@@ -22,6 +22,8 @@ __all__ = [
     "DeltaBatch",
     "GenerateRequest",
     "KVEvent",
+    "KVSnapshot",
+    "SnapshotRequest",
     "LoadRequest",
     "RequestError",
     "RequestTiming",
@@ -115,7 +117,11 @@ class LoadRequest(msgspec.Struct, tag="load"):
     pass
 
 
-ClientFrame = GenerateRequest | AbortRequest | LoadRequest
+class SnapshotRequest(msgspec.Struct, tag="snapshot"):
+    pass
+
+
+ClientFrame = GenerateRequest | AbortRequest | LoadRequest | SnapshotRequest
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas"):
@@ -145,7 +151,15 @@ class WorkerLoad(msgspec.Struct, tag="load", kw_only=True):
     num_waiting: int
 
 
-WorkerFrame = DeltaBatch | RequestError | WorkerLoad
+class KVSnapshot(msgspec.Struct, tag="kv_snapshot", kw_only=True):
+    """Every block hash a worker caches, and the id of the last KV event the set reflects."""
+
+    worker_id: str
+    block_hashes: list[int]
+    last_event_id: int | None
+
+
+WorkerFrame = DeltaBatch | RequestError | WorkerLoad | KVSnapshot
 
 
 class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):

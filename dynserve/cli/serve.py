@@ -1,4 +1,5 @@
-"""`dynctl serve`: Ray (a local instance, or the cluster at `--ray-address`), one engine worker, the gateway.
+"""`dynctl serve`: Ray (a local instance, or the cluster at `--ray-address`), `--workers` engine workers (with
+several, the gateway routes by `--router`, `kv` by default), and the gateway.
 
 Thin: it starts the parts the library provides, shows progress while the worker loads its model, prints
 where to send requests, and on Ctrl-C (or SIGTERM) stops the gateway, the worker and the Ray instance it
@@ -61,11 +62,12 @@ def _wait_for_worker(handle: Any, info_ref: Any, worker_id: str) -> Any:
 
 
 def _banner(settings: Settings, model_id: str, port: int) -> str:
+    workers = "1 worker" if settings.workers == 1 else f"{settings.workers} workers, router {settings.router}"
     host = "localhost" if settings.host in ("127.0.0.1", "0.0.0.0") else settings.host
     base = f"http://{host}:{port}"
     auth = ' -H "Authorization: Bearer $DYN_API_KEY"' if settings.api_key else ""
     return (
-        f"dynserve is serving {model_id} at {base}/v1 (1 worker). Ctrl-C stops it.\n"
+        f"dynserve is serving {model_id} at {base}/v1 ({workers}). Ctrl-C stops it.\n"
         f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": "
         f"\"Hello! Who are you?\"}}], \"max_tokens\": 64}}'\n"
@@ -79,19 +81,24 @@ def serve(settings: Settings) -> int:
     from dynserve.engine.tokenizer import Tokenizer
     from dynserve.gateway.app import build_app
     from dynserve.gateway.backend import WorkerSet
-    from dynserve.gateway.server import serve_app
+    from dynserve.gateway.server import make_router, serve_app
     from dynserve.workers.worker import launch_worker
 
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
     started_ray = start_ray(settings)
-    handle = None
+    handles = []
     try:
-        handle, info_ref = launch_worker(settings, "w0", num_cpus=settings.worker_num_cpus)
-        info = _wait_for_worker(handle, info_ref, "w0")
-        app = build_app(settings, WorkerSet([info]), tokenizer)
+        # several workers on one host share its cores: each gets its part of the threads
+        threads = settings.num_threads or max(1, (os.cpu_count() or 1) // settings.workers)
+        worker_settings = settings.model_copy(update={"num_threads": threads})
+        launched = [launch_worker(worker_settings, f"w{i}", num_cpus=settings.worker_num_cpus,
+                                  publish_events=settings.workers > 1) for i in range(settings.workers)]
+        handles = [handle for handle, _ in launched]
+        infos = [_wait_for_worker(handle, ref, f"w{i}") for i, (handle, ref) in enumerate(launched)]
+        app = build_app(settings, WorkerSet(infos, router=make_router(settings, infos)), tokenizer)
 
         def on_ready(port: int) -> None:
-            print(_banner(settings, info.model_id, port), file=sys.stderr, flush=True)
+            print(_banner(settings, infos[0].model_id, port), file=sys.stderr, flush=True)
 
         try:
             serve_app(app, settings, on_ready)
@@ -100,7 +107,7 @@ def serve(settings: Settings) -> int:
         print("dynserve: stopped", file=sys.stderr)
         return EXIT_OK
     finally:
-        if handle is not None:
+        for handle in handles:
             ray.kill(handle)
         if started_ray:
             ray.shutdown()

@@ -8,6 +8,7 @@ completion routes too, from the same pydantic schemas that validate them.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -52,9 +53,17 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await workers.start()
+        consumer = None
+        if workers.router is not None and workers.router.mode == "kv":
+            from dynserve.events.ray_plane import connect_event_plane
+
+            plane = connect_event_plane(settings.redis_url)
+            consumer = asyncio.create_task(workers.router.consume(plane, workers.snapshot), name="kv-events")
         try:
             yield
         finally:
+            if consumer is not None:
+                consumer.cancel()
             await workers.stop()
 
     api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=lifespan,

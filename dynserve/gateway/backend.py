@@ -16,7 +16,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from dynserve.errors import WorkerUnavailableError
-from dynserve.protocol import GenerateRequest, TokenDelta, WorkerInfo, WorkerLoad
+from dynserve.protocol import GenerateRequest, KVSnapshot, TokenDelta, WorkerInfo, WorkerLoad
+from dynserve.router.router import Router
 from dynserve.workers.channel import WorkerConnection
 
 __all__ = ["WorkerSet"]
@@ -29,6 +30,7 @@ class WorkerSet:
         self,
         infos: list[WorkerInfo],
         *,
+        router: Router | None = None,
         poll_interval_s: float = 0.5,
         on_load: Callable[[WorkerLoad], None] | None = None,
         on_down: Callable[[WorkerInfo], None] | None = None,
@@ -37,6 +39,7 @@ class WorkerSet:
         if not infos:
             raise ValueError("a WorkerSet needs at least one worker")
         self.connections = {info.worker_id: WorkerConnection(info) for info in infos}
+        self.router = router
         self.loads: dict[str, WorkerLoad] = {}
         self._load_seen_s: dict[str, float] = {}
         self._poll_interval_s = poll_interval_s
@@ -56,6 +59,12 @@ class WorkerSet:
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_forever(), name="worker-load-poller")
 
+    async def snapshot(self, worker_id: str) -> KVSnapshot:
+        connection = self.connections.get(worker_id)
+        if connection is None:
+            raise WorkerUnavailableError(f"unknown worker {worker_id}", worker_id=worker_id)
+        return await connection.snapshot()
+
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
@@ -70,10 +79,14 @@ class WorkerSet:
         return any(c.is_open and now - self._load_seen_s.get(wid, -1e9) <= horizon_s
                    for wid, c in self.connections.items())
 
-    def pick(self, exclude: set[str]) -> WorkerConnection | None:
+    def pick(self, exclude: set[str], token_ids: list[int] | None = None) -> WorkerConnection | None:
+        """An open worker not in `exclude`: the router's choice when there is one, else the least busy."""
         candidates = [c for wid, c in self.connections.items() if c.is_open and wid not in exclude]
         if not candidates:
             return None
+        if self.router is not None and token_ids is not None and len(candidates) > 1:
+            chosen, _overlap = self.router.pick(token_ids, [c.worker_id for c in candidates], self.loads)
+            return self.connections[chosen]
         return min(candidates, key=self._pending)
 
     def _pending(self, connection: WorkerConnection) -> int:
@@ -85,12 +98,16 @@ class WorkerSet:
         """Stream `request` from the best worker, retrying elsewhere until its first delta arrives."""
         tried: set[str] = set()
         while True:
-            connection = self.pick(tried)
+            connection = self.pick(tried, request.token_ids)
             if connection is None:
                 raise WorkerUnavailableError(
                     f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
                 )
             started = False
+            if self.router is not None:
+                block_size = connection.info.block_size
+                self.router.routed(request.request_id, connection.worker_id,
+                                   (len(request.token_ids) + request.params.max_tokens) // block_size + 1)
             try:
                 async for delta in connection.generate(request):
                     started = True
@@ -104,6 +121,9 @@ class WorkerSet:
                                request.request_id, connection.worker_id, exc)
                 if self._on_retry is not None:
                     self._on_retry()
+            finally:
+                if self.router is not None:
+                    self.router.finished(request.request_id)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(c) for c in self.connections.values()))

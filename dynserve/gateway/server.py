@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -16,15 +17,26 @@ from dynserve.engine.loader import resolve_model_path
 from dynserve.engine.tokenizer import Tokenizer
 from dynserve.gateway.app import build_app
 from dynserve.gateway.backend import WorkerSet
+from dynserve.hashing import model_salt
 from dynserve.protocol import WorkerInfo
+from dynserve.router.router import Router
 
 __all__ = ["GatewayServer", "make_gateway_app", "serve_app"]
 
 
-def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None) -> FastAPI:
-    """The gateway over workers already started (their `WorkerInfo`s); loads the tokenizer if not given."""
+def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None) -> Any:
+    """The gateway over workers already started (their `WorkerInfo`s); loads the tokenizer if not given.
+    With several workers, requests are routed by `settings.router` (the kv mode reads the event plane)."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
-    return build_app(settings, WorkerSet(infos), tokenizer)
+    return build_app(settings, WorkerSet(infos, router=make_router(settings, infos)), tokenizer)
+
+
+def make_router(settings: Settings, infos: list[WorkerInfo]) -> Router | None:
+    if len(infos) < 2:
+        return None
+    return Router(settings.router, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id),
+                  overlap_weight=settings.overlap_weight, temperature=settings.router_temperature,
+                  seed=settings.seed)
 
 
 def _config(app: FastAPI, settings: Settings) -> uvicorn.Config:

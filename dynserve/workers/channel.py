@@ -28,8 +28,10 @@ from dynserve.protocol import (
     ClientFrame,
     DeltaBatch,
     GenerateRequest,
+    KVSnapshot,
     LoadRequest,
     RequestError,
+    SnapshotRequest,
     TokenDelta,
     WorkerFrame,
     WorkerInfo,
@@ -109,6 +111,7 @@ class WorkerConnection:
         self._reader_task: asyncio.Task[None] | None = None
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._load_waiters: deque[asyncio.Future[WorkerLoad]] = deque()
+        self._snapshot_waiters: deque[asyncio.Future[KVSnapshot]] = deque()
         self._closed_reason: str | None = "not connected"
 
     @property
@@ -165,6 +168,17 @@ class WorkerConnection:
             raise WorkerUnavailableError(
                 f"worker {self.worker_id} did not report its load within {timeout_s} s", worker_id=self.worker_id
             ) from exc
+
+    async def snapshot(self, timeout_s: float = 10.0) -> KVSnapshot:
+        """The worker's cached block hashes and the last KV event id they reflect (for a router resync)."""
+        waiter: asyncio.Future[KVSnapshot] = asyncio.get_running_loop().create_future()
+        self._send(SnapshotRequest())
+        self._snapshot_waiters.append(waiter)
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except TimeoutError as exc:
+            raise WorkerUnavailableError(f"worker {self.worker_id} sent no snapshot within {timeout_s} s",
+                                         worker_id=self.worker_id) from exc
 
     def abort(self, request_id: str) -> None:
         """Stop a request; harmless if it already finished or the connection is gone."""
@@ -232,6 +246,11 @@ class WorkerConnection:
             queue = self._streams.get(frame.request_id)
             if queue is not None:
                 queue.put_nowait(frame)
+        elif isinstance(frame, KVSnapshot):
+            if self._snapshot_waiters:
+                snapshot_waiter = self._snapshot_waiters.popleft()
+                if not snapshot_waiter.done():
+                    snapshot_waiter.set_result(frame)
         elif self._load_waiters:
             waiter = self._load_waiters.popleft()
             if not waiter.done():
@@ -243,10 +262,11 @@ class WorkerConnection:
         self._closed_reason = self._closed_reason or reason
         for queue in self._streams.values():
             queue.put_nowait(_Closed(reason))
-        while self._load_waiters:
-            waiter = self._load_waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(WorkerUnavailableError(reason, worker_id=self.worker_id))
+        for waiters in (self._load_waiters, self._snapshot_waiters):
+            while waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(WorkerUnavailableError(reason, worker_id=self.worker_id))
         if self._writer is not None:
             self._writer.close()
             self._writer = None

@@ -30,8 +30,10 @@ from dynserve.protocol import (
     GenerateRequest,
     RequestError,
     KVEvent,
+    KVSnapshot,
     RequestTiming,
     SamplingParams,
+    SnapshotRequest,
     TokenDelta,
     WorkerInfo,
     WorkerLoad,
@@ -63,7 +65,7 @@ class _ConnectionSink:
         self.open_request_ids.discard(error.request_id)
         self._write(error)
 
-    def _write(self, frame: DeltaBatch | RequestError | WorkerLoad) -> None:
+    def _write(self, frame: DeltaBatch | RequestError | WorkerLoad | KVSnapshot) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode_frame(frame))
 
@@ -158,6 +160,10 @@ class EngineWorker:
             except Exception:
                 logger.exception("worker %s could not renew its lease", self.worker_id)
 
+    async def _send_snapshot(self, sink: _ConnectionSink) -> None:
+        hashes, last_event_id = await self.kv_snapshot()
+        sink._write(KVSnapshot(worker_id=self.worker_id, block_hashes=hashes, last_event_id=last_event_id))
+
     async def kv_snapshot(self) -> tuple[list[int], int | None]:
         """(every cached block hash, the id of the last KV event they reflect), taken between steps."""
         def take(engine: Any) -> tuple[list[int], int | None]:
@@ -235,6 +241,8 @@ class EngineWorker:
                 elif isinstance(frame, AbortRequest):
                     sink.open_request_ids.discard(frame.request_id)
                     self.abort(frame.request_id)
+                elif isinstance(frame, SnapshotRequest):
+                    asyncio.create_task(self._send_snapshot(sink))
                 else:
                     sink._write(self.load())
         except (ChannelError, msgspec.DecodeError, OSError) as exc:
