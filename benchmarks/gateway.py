@@ -37,7 +37,6 @@ import json
 import multiprocessing
 import os
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 

@@ -249,7 +249,7 @@ class _Run:
         m = self.state.metrics
         if all(c.finish_reason is not None for c in self.choices):
             m.e2e.labels(self.endpoint).observe(time.perf_counter() - self.start_s)
-        firsts = self.choices[:: max(1, len(self.choices) // self.builder.num_prompts)]
+        firsts = self.builder.first_per_prompt(self.choices)
         m.prompt_tokens.inc(sum(c.num_prompt_tokens for c in firsts))
         m.cached_tokens.inc(sum(c.num_cached_tokens for c in firsts))
 

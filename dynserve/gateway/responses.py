@@ -112,10 +112,13 @@ class ResponseBuilder:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(states)}
 
+    def first_per_prompt(self, states: list[ChoiceState]) -> list[ChoiceState]:
+        """One choice of each prompt: the prompt's tokens count once, not once per choice."""
+        return states[:: max(1, len(states) // self.num_prompts)]
+
     def usage(self, states: list[ChoiceState]) -> dict[str, Any]:
         """Prompt tokens count once per prompt (not per choice), as OpenAI counts them."""
-        per_prompt = max(1, len(states) // self.num_prompts)
-        firsts = states[::per_prompt]
+        firsts = self.first_per_prompt(states)
         prompt_tokens = sum(s.num_prompt_tokens for s in firsts)
         completion_tokens = sum(s.num_output_tokens for s in states)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -19,6 +19,7 @@ import logging
 import struct
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 
@@ -95,6 +96,7 @@ class _Closed:
 
 
 _StreamItem = TokenDelta | RequestError | _Closed
+_Reply = WorkerLoad | KVSnapshot
 
 
 class WorkerConnection:
@@ -110,8 +112,8 @@ class WorkerConnection:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
-        self._load_waiters: deque[asyncio.Future[WorkerLoad]] = deque()
-        self._snapshot_waiters: deque[asyncio.Future[KVSnapshot]] = deque()
+        self._load_waiters: deque[asyncio.Future[_Reply]] = deque()
+        self._snapshot_waiters: deque[asyncio.Future[_Reply]] = deque()
         self._closed_reason: str | None = "not connected"
 
     @property
@@ -159,25 +161,22 @@ class WorkerConnection:
         self._writer.write(encode_frame(message))
 
     async def load(self, timeout_s: float = 2.0) -> WorkerLoad:
-        waiter: asyncio.Future[WorkerLoad] = asyncio.get_running_loop().create_future()
-        self._send(LoadRequest())
-        self._load_waiters.append(waiter)
-        try:
-            return await asyncio.wait_for(waiter, timeout_s)
-        except TimeoutError as exc:
-            raise WorkerUnavailableError(
-                f"worker {self.worker_id} did not report its load within {timeout_s} s", worker_id=self.worker_id
-            ) from exc
+        return await self._ask(LoadRequest(), self._load_waiters, timeout_s, "report its load")
 
     async def snapshot(self, timeout_s: float = 10.0) -> KVSnapshot:
         """The worker's cached block hashes and the last KV event id they reflect (for a router resync)."""
-        waiter: asyncio.Future[KVSnapshot] = asyncio.get_running_loop().create_future()
-        self._send(SnapshotRequest())
-        self._snapshot_waiters.append(waiter)
+        return await self._ask(SnapshotRequest(), self._snapshot_waiters, timeout_s, "send a KV snapshot")
+
+    async def _ask(self, question: ClientFrame, waiters: deque[asyncio.Future[_Reply]], timeout_s: float,
+                   what: str) -> Any:
+        """Send `question` and wait for its reply; replies of one kind come back in the order asked."""
+        waiter: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
+        self._send(question)
+        waiters.append(waiter)
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         except TimeoutError as exc:
-            raise WorkerUnavailableError(f"worker {self.worker_id} sent no snapshot within {timeout_s} s",
+            raise WorkerUnavailableError(f"worker {self.worker_id} did not {what} within {timeout_s} s",
                                          worker_id=self.worker_id) from exc
 
     def abort(self, request_id: str) -> None:
@@ -246,15 +245,12 @@ class WorkerConnection:
             queue = self._streams.get(frame.request_id)
             if queue is not None:
                 queue.put_nowait(frame)
-        elif isinstance(frame, KVSnapshot):
-            if self._snapshot_waiters:
-                snapshot_waiter = self._snapshot_waiters.popleft()
-                if not snapshot_waiter.done():
-                    snapshot_waiter.set_result(frame)
-        elif self._load_waiters:
-            waiter = self._load_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(frame)
+        else:
+            waiters = self._snapshot_waiters if isinstance(frame, KVSnapshot) else self._load_waiters
+            if waiters:
+                waiter = waiters.popleft()
+                if not waiter.done():  # a timed-out ask has given up on this reply
+                    waiter.set_result(frame)
 
     def _shut(self, reason: str) -> None:
         if self._closed_reason is not None and self._writer is None:

@@ -59,13 +59,13 @@ class _ConnectionSink:
         for delta in deltas:
             if delta.finished:
                 self.open_request_ids.discard(delta.request_id)
-        self._write(DeltaBatch(deltas))
+        self.write(DeltaBatch(deltas))
 
     def fail(self, error: RequestError) -> None:
         self.open_request_ids.discard(error.request_id)
-        self._write(error)
+        self.write(error)
 
-    def _write(self, frame: DeltaBatch | RequestError | WorkerLoad | KVSnapshot) -> None:
+    def write(self, frame: DeltaBatch | RequestError | WorkerLoad | KVSnapshot) -> None:
         if not self.writer.is_closing():
             self.writer.write(encode_frame(frame))
 
@@ -162,7 +162,7 @@ class EngineWorker:
 
     async def _send_snapshot(self, sink: _ConnectionSink) -> None:
         hashes, last_event_id = await self.kv_snapshot()
-        sink._write(KVSnapshot(worker_id=self.worker_id, block_hashes=hashes, last_event_id=last_event_id))
+        sink.write(KVSnapshot(worker_id=self.worker_id, block_hashes=hashes, last_event_id=last_event_id))
 
     async def kv_snapshot(self) -> tuple[list[int], int | None]:
         """(every cached block hash, the id of the last KV event they reflect), taken between steps."""
@@ -244,7 +244,7 @@ class EngineWorker:
                 elif isinstance(frame, SnapshotRequest):
                     asyncio.create_task(self._send_snapshot(sink))
                 else:
-                    sink._write(self.load())
+                    sink.write(self.load())
         except (ChannelError, msgspec.DecodeError, OSError) as exc:
             logger.warning("worker %s: dropping a client connection: %s", self.worker_id, exc)
         finally:
