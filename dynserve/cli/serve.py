@@ -100,10 +100,7 @@ def serve(settings: Settings) -> int:
         def on_ready(port: int) -> None:
             print(_banner(settings, infos[0].model_id, port), file=sys.stderr, flush=True)
 
-        try:
-            serve_app(app, settings, on_ready)
-        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, after its graceful shutdown
-            pass
+        serve_app(app, settings, on_ready)  # returns after SIGINT/SIGTERM and a graceful shutdown
         print("dynserve: stopped", file=sys.stderr)
         return EXIT_OK
     finally:

@@ -1,5 +1,5 @@
-"""The gateway's ASGI application: the completion routes on their lean path (`completions.py`), and
-everything else (models, health, readiness, metrics, OpenAPI) on FastAPI.
+"""The gateway application: the completion routes on their lean path (`completions.py`), and everything
+else (models, health, readiness, metrics, OpenAPI) on FastAPI behind an ASGI bridge (`http.py`).
 
 `build_app` wires one `GatewayState` (settings, workers, tokenizer, metrics, admission count) into both.
 The FastAPI lifespan connects to the workers and polls their loads; the OpenAPI document describes the
@@ -10,37 +10,42 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.types import Receive, Scope, Send
 
 import dynserve
 from dynserve.config import Settings
 from dynserve.engine.tokenizer import Tokenizer
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes, GatewayState
-from dynserve.gateway.errors import ApiError, BodySizeLimit, install_error_handlers
+from dynserve.gateway.errors import ApiError, install_error_handlers
+from dynserve.gateway.http import AsgiHandler, Exchange
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["Gateway", "build_app"]
 
 
 class Gateway:
-    """The ASGI app: POSTs to the completion routes go to `completions`, the rest to `api` (FastAPI)."""
+    """The gateway's request handler: POSTs to the completion routes go to `completions`, the rest through
+    the ASGI bridge to `api` (FastAPI); `lifespan()` is the FastAPI app's, connecting to the workers."""
 
     def __init__(self, state: GatewayState, api: FastAPI) -> None:
         self.state, self.api = state, api
         self.completions = CompletionRoutes(state)
+        self.other = AsgiHandler(api, (state.settings.host, state.settings.port))
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_ROUTES:
-            await self.completions(scope, receive, send)
+    async def __call__(self, exchange: Exchange) -> None:
+        if exchange.method == b"POST" and exchange.path in COMPLETION_ROUTES:
+            await self.completions(exchange)
         else:
-            await self.api(scope, receive, send)
+            await self.other(exchange)
+
+    def lifespan(self) -> AbstractAsyncContextManager[Any]:
+        return self.api.router.lifespan_context(self.api)
 
 
 def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> Gateway:
@@ -69,7 +74,6 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=lifespan,
                   description="OpenAI-compatible gateway of dynserve")
     install_error_handlers(api)
-    api.add_middleware(BodySizeLimit, max_body_bytes=settings.max_body_bytes)
 
     async def check_api_key(request: Request) -> None:
         state.check_api_key(request.headers.get("authorization"))

@@ -1,14 +1,14 @@
-"""The completion routes (`POST /v1/chat/completions`, `POST /v1/completions`) on a lean ASGI path.
+"""The completion routes (`POST /v1/chat/completions`, `POST /v1/completions`), served straight from the
+gateway's HTTP server (`http.py`) with no framework in between.
 
-These two routes carry all the traffic, so they skip the web framework's per-request machinery (dependency
-resolution, middleware stack, response classes): the body is read with a size limit, validated by the
-pydantic schemas in one `model_validate_json` call, preprocessed, admitted, and answered with raw ASGI
-messages. Measured here, that is about a tenth of the framework path's CPU per request, which is what a
-burst of requests waits on. Everything else (models, health, metrics, OpenAPI) stays on FastAPI.
+These two routes carry all the traffic, so they skip the web framework's per-request machinery: the body
+(already read, size-capped, by the server) is validated by the pydantic schemas in one
+`model_validate_json` call, preprocessed, admitted, and answered with whole writes. Everything else (models,
+health, metrics, OpenAPI) stays on FastAPI.
 
 A request's choices run as one `_Run`: fan-out over prompts and `n`, merged deltas, metrics, and the
-admission slot released exactly once. While a response is in progress a watcher listens for the client's
-disconnect; when it comes, the run is cancelled, which aborts every choice on its worker at once.
+admission slot released exactly once. When the client disconnects, the server cancels the handler, which
+closes the run and so aborts every choice on its worker at once.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 import pydantic
-from starlette.types import Receive, Scope, Send
 
 from dynserve.config import Settings
 from dynserve.engine.tokenizer import Tokenizer
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.errors import ApiError, validation_error
+from dynserve.gateway.http import Exchange
 from dynserve.gateway.metrics import GatewayMetrics
 from dynserve.gateway.preprocess import Prepared, prepare_chat, prepare_completion
 from dynserve.gateway.responses import DONE, ChoiceState, ResponseBuilder, sse
@@ -43,7 +43,8 @@ __all__ = ["COMPLETION_ROUTES", "CompletionRoutes", "GatewayState"]
 logger = logging.getLogger(__name__)
 
 Kind = Literal["chat", "completion"]
-COMPLETION_ROUTES: dict[str, Kind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+COMPLETION_ROUTES: dict[bytes, Kind] = {b"/v1/chat/completions": "chat", b"/v1/completions": "completion"}
+_ENDPOINTS: dict[Kind, str] = {"chat": "chat/completions", "completion": "completions"}
 _JSON = msgspec.json.Encoder()
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]
@@ -88,33 +89,31 @@ class GatewayState:
 
 
 class CompletionRoutes:
-    """ASGI handler of the two completion routes (`COMPLETION_ROUTES`)."""
+    """Handler of the two completion routes (`COMPLETION_ROUTES`) on the gateway's HTTP server."""
 
     def __init__(self, state: GatewayState) -> None:
         self.state = state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = COMPLETION_ROUTES[scope["path"]]
-        endpoint = scope["path"].removeprefix("/v1/")
+    async def __call__(self, exchange: Exchange) -> None:
+        kind = COMPLETION_ROUTES[exchange.path]
+        endpoint = _ENDPOINTS[kind]
         status = 500
         try:
-            headers = dict(scope["headers"])
-            self.state.check_api_key(_header(headers, b"authorization"))
-            body = await _read_body(headers, receive, self.state.settings.max_body_bytes)
-            run, stream = self._start(kind, body)
+            self.state.check_api_key(_header(exchange.headers, b"authorization"))
+            run, stream = self._start(kind, exchange.body)
             status = 200
             if stream:
-                await _until_disconnect(self._send_stream(run, send), receive)
+                await self._send_stream(run, exchange)
             else:
-                payload = await _until_disconnect(run.collect(), receive)
-                if payload is not None:
-                    await _send_whole(send, 200, payload, _JSON_HEADERS)
-        except _ClientGone:
-            status = 499  # nginx's "client closed request": nobody is left to answer
+                exchange.respond(200, await run.collect(), _JSON_HEADERS)
+        except asyncio.CancelledError:
+            if not exchange.gone.done():
+                raise
+            status = 499  # nginx's "client closed request": the run was cancelled, its requests aborted
         except Exception as exc:  # every failure before the first byte becomes an OpenAI error response
             error = _as_api_error(exc)
             status = error.status
-            await _send_whole(send, error.status, error.body(), _JSON_HEADERS + error.raw_headers())
+            exchange.respond(error.status, error.body(), _JSON_HEADERS + error.raw_headers())
         finally:
             self.state.metrics.requests.labels(endpoint, str(status)).inc()
 
@@ -134,71 +133,29 @@ class CompletionRoutes:
         state.admit()
         return _Run.create(state, kind, request, prepared), request.stream
 
-    async def _send_stream(self, run: _Run, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    async def _send_stream(self, run: _Run, exchange: Exchange) -> None:
+        """The head goes out with the first piece, and the stream's end with the last (the one ending in
+        `[DONE]`), so a short answer takes one or two socket writes."""
         try:
-            async with contextlib.aclosing(run.stream()) as chunks:
-                async for chunk in chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except Exception as exc:  # a bug after the headers went out: end the stream with an error event
-            error = _as_api_error(exc)
-            await send({"type": "http.response.body", "body": _error_event(error) + DONE, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its request was read."""
+            async with contextlib.aclosing(run.stream()) as pieces:
+                async for piece in pieces:
+                    last = piece.endswith(DONE)
+                    if not exchange.answered:
+                        exchange.start_stream(200, _SSE_HEADERS)
+                    if last:
+                        exchange.end(piece)
+                        return
+                    exchange.write(piece)
+                    await exchange.drain()
+        except Exception as exc:  # a bug after the head went out: end the stream with an error event
+            if not exchange.answered:
+                raise
+            exchange.end(_error_event(_as_api_error(exc)) + DONE)
 
 
 def _header(headers: dict[bytes, bytes], name: bytes) -> str | None:
     value = headers.get(name)
     return value.decode("latin-1") if value is not None else None
-
-
-async def _read_body(headers: dict[bytes, bytes], receive: Receive, max_body_bytes: int) -> bytes:
-    too_large = ApiError(413, f"the request body is over the {max_body_bytes}-byte limit", code="request_too_large")
-    length = headers.get(b"content-length")
-    if length is not None and length.isdigit() and int(length) > max_body_bytes:
-        raise too_large
-    parts, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise too_large
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
-
-
-async def _until_disconnect(work: Awaitable[Any], receive: Receive) -> Any:
-    """Run `work`; if the client disconnects first, cancel it (aborting its requests) and return None."""
-    task = asyncio.ensure_future(work)
-
-    async def client_gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return None
-    return task.result()
-
-
-async def _send_whole(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [*headers, (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def _as_api_error(exc: Exception) -> ApiError:

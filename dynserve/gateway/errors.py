@@ -17,15 +17,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 
-__all__ = ["ApiError", "BodySizeLimit", "error_body", "install_error_handlers", "validation_error"]
+__all__ = ["ApiError", "error_body", "install_error_handlers", "validation_error"]
 
 logger = logging.getLogger(__name__)
 _JSON = msgspec.json.Encoder()
@@ -122,33 +121,3 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(WorkerUnavailableError, on_unavailable)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_bug)
-
-
-class BodySizeLimit:
-    """ASGI middleware: a body over `max_body_bytes` gets a 413 before the app parses it."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        too_large = ApiError(413, f"the request body is over the {self.max_body_bytes}-byte limit",
-                             code="request_too_large")
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
-                await too_large.response()(scope, receive, send)
-                return
-        received = 0
-
-        async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_body_bytes:  # a chunked body with no Content-Length
-                    raise HTTPException(413, too_large.message)
-            return message
-
-        await self.app(scope, limited_receive, send)

@@ -1,22 +1,21 @@
-"""Running the gateway app under uvicorn: in the foreground (`dynctl serve`) or on a background thread
-(tests, benchmarks, notebooks) with `GatewayServer`, which waits until the port is bound and the workers are
-connected before `start()` returns."""
+"""Running the gateway on its HTTP server (`http.py`, on uvloop): in the foreground (`dynctl serve`) or on a
+background thread (tests, benchmarks, notebooks) with `GatewayServer`, which waits until the port is bound
+and the workers are connected before `start()` returns."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import threading
 from collections.abc import Callable
-from typing import Any
-
-import uvicorn
-from fastapi import FastAPI
 
 from dynserve.config import Settings
 from dynserve.engine.loader import resolve_model_path
 from dynserve.engine.tokenizer import Tokenizer
-from dynserve.gateway.app import build_app
+from dynserve.gateway.app import Gateway, build_app
 from dynserve.gateway.backend import WorkerSet
+from dynserve.gateway.http import HttpServer
 from dynserve.hashing import model_salt
 from dynserve.protocol import WorkerInfo
 from dynserve.router.router import Router
@@ -24,7 +23,7 @@ from dynserve.router.router import Router
 __all__ = ["GatewayServer", "make_gateway_app", "serve_app"]
 
 
-def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None) -> Any:
+def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None) -> Gateway:
     """The gateway over workers already started (their `WorkerInfo`s); loads the tokenizer if not given.
     With several workers, requests are routed by `settings.router` (the kv mode reads the event plane)."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
@@ -39,36 +38,44 @@ def make_router(settings: Settings, infos: list[WorkerInfo]) -> Router | None:
                   seed=settings.seed)
 
 
-def _config(app: FastAPI, settings: Settings) -> uvicorn.Config:
-    return uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning", access_log=False,
-                          loop="uvloop", http="httptools", timeout_graceful_shutdown=5, lifespan="on")
-
-
-def serve_app(app: FastAPI, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serve in the foreground on uvloop until SIGINT/SIGTERM; `on_ready(port)` runs once the socket is
-    bound and the workers are connected."""
+def serve_app(app: Gateway, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve in the foreground on uvloop until SIGINT/SIGTERM, then finish responses in progress (5 s at
+    most) and return; `on_ready(port)` runs once the socket is bound and the workers are connected."""
     import uvloop
 
-    uvloop.run(_serve_app(app, settings, on_ready))
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await _serve(app, settings, stop, on_ready)
+
+    uvloop.run(main())
 
 
-async def _serve_app(app: FastAPI, settings: Settings, on_ready: Callable[[int], None] | None) -> None:
-    server = uvicorn.Server(_config(app, settings))
-    task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started and on_ready is not None:
-        on_ready(server.servers[0].sockets[0].getsockname()[1])
-    await task
+async def _serve(app: Gateway, settings: Settings, stop: asyncio.Event,
+                 on_ready: Callable[[int], None] | None) -> None:
+    async with app.lifespan():
+        server = HttpServer(app, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes)
+        port = await server.start()
+        if on_ready is not None:
+            on_ready(port)
+        try:
+            await stop.wait()
+        finally:
+            await server.close(grace_s=5.0)
 
 
 class GatewayServer:
     """The gateway on a background thread: `start()` returns once it answers; `url` is its base URL."""
 
-    def __init__(self, app: FastAPI, settings: Settings) -> None:
-        self.app = app
-        self._server = uvicorn.Server(_config(app, settings))
-        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+    def __init__(self, app: Gateway, settings: Settings) -> None:
+        self.app, self.settings = app, settings
+        self._thread = threading.Thread(target=self._run, name="gateway", daemon=True)
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
         self.host = settings.host
         self.port: int | None = None
 
@@ -76,20 +83,34 @@ class GatewayServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def _run(self) -> None:
+        import uvloop
+
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+
+            def on_ready(port: int) -> None:
+                self.port = port
+                self._ready.set()
+
+            await _serve(self.app, self.settings, self._stop, on_ready)
+
+        try:
+            uvloop.run(main())
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+            self._ready.set()
+
     def start(self, timeout_s: float = 30.0) -> GatewayServer:
         self._thread.start()
-        deadline = threading.Event()
-        for _ in range(int(timeout_s / 0.02)):
-            if self._server.started:
-                self.port = self._server.servers[0].sockets[0].getsockname()[1]
-                return self
-            if not self._thread.is_alive():
-                break
-            deadline.wait(0.02)
-        raise RuntimeError("the gateway did not start")
+        if not self._ready.wait(timeout_s) or self.port is None:
+            raise RuntimeError(f"the gateway did not start: {self._error!r}")
+        return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._server.should_exit = True
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop already ended
+                self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout_s)
 
     def __enter__(self) -> GatewayServer:
