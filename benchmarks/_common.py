@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 __all__ = ["RESULTS_DIR", "best_time_s", "git_commit", "log", "machine_info", "percentile", "write_result"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -40,14 +38,17 @@ def git_commit() -> str | None:
 
 
 def machine_info() -> dict[str, Any]:
+    """Where a result came from; torch's fields only when torch is already loaded (the mocker benchmarks
+    never load it)."""
+    torch = sys.modules.get("torch")
     return {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_num_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__ if torch else None,
+        "torch_num_threads": torch.get_num_threads() if torch else None,
+        "cuda": torch.cuda.get_device_name(0) if torch and torch.cuda.is_available() else None,
         "load_avg_1m": os.getloadavg()[0],  # other work on the machine skews timings; judge by this
     }
 
