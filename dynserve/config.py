@@ -16,6 +16,7 @@ __all__ = ["Settings", "torch_dtype"]
 DType = Literal["float32", "bfloat16", "float16"]
 _GATEWAY: dict[str, Any] = {"group": "gateway"}
 _CLUSTER: dict[str, Any] = {"group": "cluster"}
+_POOL: dict[str, Any] = {"group": "pool"}
 
 
 class Settings(BaseSettings):
@@ -66,10 +67,31 @@ class Settings(BaseSettings):
                                   "in Ray", json_schema_extra=_CLUSTER)
     worker_lease_s: float = Field(3.0, gt=0, description="a worker's registry lease; heartbeats every third",
                                   json_schema_extra=_CLUSTER)
+    namespace: str = Field("dynserve", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
+                           description="event plane and registry namespace: a gateway routes only to the "
+                           "workers registered in its own", json_schema_extra=_CLUSTER)
+
+    # ---- worker pools (dynserve.workers.pool) ----
+    pool_health_interval_s: float = Field(0.25, gt=0, description="how often a pool checks that its workers "
+                                          "are alive", json_schema_extra=_POOL)
+    pool_unresponsive_s: float = Field(15.0, gt=0, description="a worker that answers no health check for "
+                                       "this long is killed and replaced", json_schema_extra=_POOL)
+    pool_drain_timeout_s: float = Field(60.0, gt=0, description="how long a worker being removed may finish "
+                                        "its in-flight requests before they are cut", json_schema_extra=_POOL)
+    pool_max_restarts: int = Field(5, ge=0, description="dead workers a pool replaces per restart window at "
+                                   "most", json_schema_extra=_POOL)
+    pool_restart_window_s: float = Field(300.0, gt=0, description="the window pool_max_restarts counts over",
+                                         json_schema_extra=_POOL)
+    pool_restart_backoff_s: float = Field(1.0, ge=0, description="delay before replacing a dead worker; "
+                                          "doubles with each restart in the window", json_schema_extra=_POOL)
+    pool_restart_backoff_max_s: float = Field(30.0, ge=0, description="the longest replacement delay",
+                                              json_schema_extra=_POOL)
+    registry_interval_s: float = Field(0.25, gt=0, description="how often a gateway that follows the "
+                                       "registry re-reads it", json_schema_extra=_POOL)
 
     @classmethod
     def field_names(cls, group: str) -> list[str]:
-        """Names of the fields in `group` ("engine", "gateway" or "cluster")."""
+        """Names of the fields in `group` ("engine", "gateway", "cluster" or "pool")."""
         return [name for name, f in cls.model_fields.items()
                 if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]
 

@@ -5,9 +5,10 @@
     ├── TokenizerError          a tokenizer cannot be built or a template cannot be rendered
     ├── InvalidRequestError     a request's parameters are wrong (the user's fault)
     │   └── CacheCapacityError  a request can never fit in the KV cache
-    └── WorkerError             a worker cannot take or finish a request (not the user's fault)
-        ├── WorkerUnavailableError  its channel is closed or it is stopping: retry elsewhere
-        └── ChannelError            a malformed frame on a worker channel
+    ├── WorkerError             a worker cannot take or finish a request (not the user's fault)
+    │   ├── WorkerUnavailableError  its channel is closed or it is stopping: retry elsewhere
+    │   └── ChannelError            a malformed frame on a worker channel
+    └── PoolError               a worker pool cannot do what was asked (unknown worker, a failed start)
 
 Each error carries structured fields next to its message so callers (the gateway, the CLI) can map it
 to a status code or exit code without parsing strings.
@@ -21,6 +22,7 @@ __all__ = [
     "InvalidRequestError",
     "ModelLoadError",
     "ChannelError",
+    "PoolError",
     "WorkerError",
     "WorkerUnavailableError",
     "TokenizerError",
@@ -72,3 +74,12 @@ class WorkerUnavailableError(WorkerError):
 
 class ChannelError(WorkerError):
     """A frame on a worker channel was malformed or too large; the connection is closed."""
+
+
+class PoolError(DynserveError):
+    """A worker pool could not do what was asked: `pool` names it, `worker_id` the worker concerned, if any."""
+
+    def __init__(self, message: str, *, pool: str, worker_id: str | None = None) -> None:
+        super().__init__(message)
+        self.pool = pool
+        self.worker_id = worker_id

@@ -92,15 +92,18 @@ GatewayFactory = Callable[..., Any]
 
 
 @pytest.fixture(scope="session")
-def make_gateway(worker: Any, tokenizer: Any) -> Any:
-    """Start a gateway over the session worker: make_gateway(api_key="k", max_queue=1) -> GatewayServer."""
+def make_gateway(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
+    """Start a gateway: make_gateway(api_key="k", max_queue=1) -> GatewayServer, over the session worker
+    unless `infos` are given; with `registry` (an event plane), it follows the workers registered there."""
     from dynserve.gateway.server import GatewayServer, make_gateway_app
 
     servers = []
 
-    def factory(infos: list[Any] | None = None, **overrides: Any) -> Any:
+    def factory(infos: list[Any] | None = None, registry: Any = None, **overrides: Any) -> Any:
         settings = Settings(**{"port": 0, **overrides})
-        app = make_gateway_app(settings, infos if infos is not None else [worker[1]], tokenizer)
+        if infos is None:
+            infos = [request.getfixturevalue("worker")[1]]
+        app = make_gateway_app(settings, infos, tokenizer, registry=registry)
         server = GatewayServer(app, settings).start()
         servers.append(server)
         return server

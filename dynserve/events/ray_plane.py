@@ -1,6 +1,14 @@
-"""The embedded event plane: the in-process backend hosted in one named Ray actor, so workers and gateways
-on any node of the Ray cluster share it with no service to run. `connect_event_plane` picks Redis when a
-URL is configured and this otherwise."""
+"""The embedded event plane: the in-process backend hosted in one named Ray actor per namespace, so workers
+and gateways on any node of the Ray cluster share it with no service to run. `connect_event_plane` picks
+Redis when a URL is configured and this otherwise.
+
+Namespaces keep deployments that share a Ray cluster or a Redis apart: each has its own event stream and
+worker registry (its own actor here, its own key prefix on Redis), so a gateway only ever sees the workers
+and KV events of its own namespace.
+
+The actor is detached, in Ray namespace `dynserve`: it belongs to the cluster, not to whichever worker or
+gateway happened to create it, so it outlives any of them (a killed worker must not take the registry down
+with it) and every job on the cluster finds the same one. It ends with the cluster."""
 
 from __future__ import annotations
 
@@ -11,9 +19,11 @@ from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
 from dynserve.protocol import KVEvent, WorkerInfo
 
-__all__ = ["ACTOR_NAME", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
+__all__ = ["ACTOR_NAME", "DEFAULT_NAMESPACE", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
 
 ACTOR_NAME = "dynserve-event-plane"
+DEFAULT_NAMESPACE = "dynserve"
+RAY_NAMESPACE = "dynserve"  # the Ray namespace the plane actors live in, shared by every job
 
 
 class EventPlaneActor:
@@ -39,13 +49,15 @@ class EventPlaneActor:
 
 
 class RayEventPlane(EventPlane):
-    """Client of the shared `EventPlaneActor` (created on first use, found by name afterwards)."""
+    """Client of the namespace's shared `EventPlaneActor` (created on first use, found by name afterwards)."""
 
-    def __init__(self, handle: Any | None = None) -> None:
+    def __init__(self, handle: Any | None = None, *, namespace: str = DEFAULT_NAMESPACE) -> None:
         import ray
 
+        name = ACTOR_NAME if namespace == DEFAULT_NAMESPACE else f"{ACTOR_NAME}-{namespace}"
         self._handle = handle or ray.remote(EventPlaneActor).options(
-            name=ACTOR_NAME, get_if_exists=True, num_cpus=0, max_concurrency=1000,
+            name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+            max_concurrency=1000,
         ).remote()
 
     async def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
@@ -66,10 +78,11 @@ class RayEventPlane(EventPlane):
         return await self._handle.workers.remote()
 
 
-def connect_event_plane(redis_url: str | None) -> EventPlane:
-    """Redis when `redis_url` is given, else the embedded plane in Ray (Ray must be initialized)."""
+def connect_event_plane(redis_url: str | None, namespace: str = DEFAULT_NAMESPACE) -> EventPlane:
+    """`namespace`'s plane: on Redis when `redis_url` is given, else embedded in Ray (which must be
+    initialized)."""
     if redis_url:
         from dynserve.events.redis_plane import RedisEventPlane
 
-        return RedisEventPlane(redis_url)
-    return RayEventPlane()
+        return RedisEventPlane(redis_url, prefix=namespace)
+    return RayEventPlane(namespace=namespace)

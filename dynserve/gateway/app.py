@@ -62,7 +62,7 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
         if workers.router is not None and workers.router.mode == "kv":
             from dynserve.events.ray_plane import connect_event_plane
 
-            plane = connect_event_plane(settings.redis_url)
+            plane = connect_event_plane(settings.redis_url, settings.namespace)
             consumer = asyncio.create_task(workers.router.consume(plane, workers.snapshot), name="kv-events")
         try:
             yield

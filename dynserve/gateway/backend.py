@@ -1,10 +1,22 @@
-"""The gateway's view of its workers: one channel each, their polled loads, and which one gets a request.
+"""The gateway's view of its workers: who they are, one channel each, their polled loads, and which one gets
+a request.
 
-`WorkerSet.generate` picks a worker (least loaded: its reported running + waiting requests plus what this
-gateway has sent it since), streams the request from it, and, when the worker fails before the first token
-reaches the client, retries on another worker, so a dead worker costs a retry, not a request. Loads are
-polled every `poll_interval_s`; a worker whose channel drops is reconnected on the next poll if it is still
-alive, and left out of picking until then.
+Membership. With a `registry` (the event plane's, `EventPlane.workers()`), the registry is the source of
+truth: every `registry_interval_s` the set is brought in line with the workers it lists
+(`membership_changes`), so workers a pool adds become routable, and workers that leave it (drained ones
+deregister themselves, the pool deregisters dead ones, a lease that is not renewed runs out) stop getting
+requests. Without one, the
+workers given at construction are the members for good. Either way the channel is the fastest signal of
+death: a worker whose connection drops is left out of picking at once, reconnected on the next load poll if
+it still answers, and forgotten by the router.
+
+A worker that leaves keeps its channel until the streams it is serving end, so draining never cuts a
+response; it gets no new request.
+
+`WorkerSet.generate` picks a worker (the router's choice, else least loaded: its reported running + waiting
+requests plus what this gateway has sent it since), streams the request from it, and, when the worker fails
+before the first token reaches the client, retries on another worker, so a dead or draining worker costs a
+retry, not a request.
 """
 
 from __future__ import annotations
@@ -13,16 +25,28 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 from dynserve.errors import WorkerUnavailableError
+from dynserve.events.base import EventPlane
 from dynserve.protocol import GenerateRequest, KVSnapshot, TokenDelta, WorkerInfo, WorkerLoad
 from dynserve.router.router import Router
 from dynserve.workers.channel import WorkerConnection
 
-__all__ = ["WorkerSet"]
+__all__ = ["WorkerSet", "membership_changes"]
 
 logger = logging.getLogger(__name__)
+
+
+def membership_changes(current: Mapping[str, WorkerInfo],
+                       listed: Sequence[WorkerInfo]) -> tuple[list[WorkerInfo], list[str]]:
+    """(workers to add, ids to remove) to turn `current` into `listed`. A worker listed with a different
+    address or identity than the one held (a restart under the same id) is removed and added again."""
+    by_id = {info.worker_id: info for info in listed}
+    removed = [wid for wid, info in current.items() if by_id.get(wid) != info]
+    added = [info for wid, info in by_id.items() if current.get(wid) != info]
+    return added, removed
 
 
 class WorkerSet:
@@ -31,33 +55,50 @@ class WorkerSet:
         infos: list[WorkerInfo],
         *,
         router: Router | None = None,
+        registry: EventPlane | None = None,
+        registry_interval_s: float = 0.25,
         poll_interval_s: float = 0.5,
         on_load: Callable[[WorkerLoad], None] | None = None,
         on_down: Callable[[WorkerInfo], None] | None = None,
         on_retry: Callable[[], None] | None = None,
     ) -> None:
-        if not infos:
-            raise ValueError("a WorkerSet needs at least one worker")
-        self.connections = {info.worker_id: WorkerConnection(info) for info in infos}
+        if not infos and registry is None:
+            raise ValueError("a WorkerSet needs at least one worker or a registry to find them in")
+        self.connections = {info.worker_id: WorkerConnection(info) for info in infos}  # the members
         self.router = router
+        self.registry = registry
         self.loads: dict[str, WorkerLoad] = {}
+        self.num_routed: Counter[str] = Counter()  # requests sent to each worker, retries included
+        self._leaving: list[WorkerConnection] = []  # left the set, still finishing streams
+        self._identity: WorkerInfo | None = infos[0] if infos else None
         self._load_seen_s: dict[str, float] = {}
-        self._poll_interval_s = poll_interval_s
+        self._poll_interval_s, self._registry_interval_s = poll_interval_s, registry_interval_s
         self._on_load, self._on_down, self._on_retry = on_load, on_down, on_retry
-        self._poller: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     @property
     def model_id(self) -> str:
-        return next(iter(self.connections.values())).info.model_id
+        return self._known().model_id
 
     @property
     def max_model_len(self) -> int:
+        if not self.connections:
+            return self._known().max_model_len
         return min(c.info.max_model_len for c in self.connections.values())
+
+    def _known(self) -> WorkerInfo:
+        """The first worker ever seen: what this gateway serves (one model) even when no worker is up."""
+        if self._identity is None:
+            raise WorkerUnavailableError("no worker has registered yet", worker_id=None)
+        return self._identity
 
     async def start(self) -> None:
         await asyncio.gather(*(self._connect(c) for c in self.connections.values()))
+        if self.registry is not None:
+            await self.refresh_members()
+            self._tasks.append(asyncio.create_task(self._follow_registry(), name="worker-registry"))
         await self.poll_once()
-        self._poller = asyncio.create_task(self._poll_forever(), name="worker-load-poller")
+        self._tasks.append(asyncio.create_task(self._poll_forever(), name="worker-load-poller"))
 
     async def snapshot(self, worker_id: str) -> KVSnapshot:
         connection = self.connections.get(worker_id)
@@ -66,11 +107,11 @@ class WorkerSet:
         return await connection.snapshot()
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-        await asyncio.gather(*(c.close() for c in self.connections.values()))
+                await task
+        await asyncio.gather(*(c.close() for c in [*self.connections.values(), *self._leaving]))
 
     def is_ready(self) -> bool:
         """True when some worker's channel is open and it reported a load within the last 3 polls."""
@@ -79,8 +120,12 @@ class WorkerSet:
         return any(c.is_open and now - self._load_seen_s.get(wid, -1e9) <= horizon_s
                    for wid, c in self.connections.items())
 
+    def routable_ids(self) -> list[str]:
+        """Members whose channel is open: the workers a new request may go to."""
+        return sorted(wid for wid, c in self.connections.items() if c.is_open)
+
     def pick(self, exclude: set[str], token_ids: list[int] | None = None) -> WorkerConnection | None:
-        """An open worker not in `exclude`: the router's choice when there is one, else the least busy."""
+        """An open member not in `exclude`: the router's choice when there is one, else the least busy."""
         candidates = [c for wid, c in self.connections.items() if c.is_open and wid not in exclude]
         if not candidates:
             return None
@@ -104,6 +149,7 @@ class WorkerSet:
                     f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
                 )
             started = False
+            self.num_routed[connection.worker_id] += 1
             if self.router is not None:
                 block_size = connection.info.block_size
                 self.router.routed(request.request_id, connection.worker_id,
@@ -125,8 +171,50 @@ class WorkerSet:
                 if self.router is not None:
                     self.router.finished(request.request_id)
 
+    # ---- membership ------------------------------------------------------------------------------------
+
+    async def refresh_members(self) -> None:
+        """Bring the members in line with the registry (a no-op without one, or when it cannot be read)."""
+        if self.registry is None:
+            return
+        try:
+            listed = await self.registry.workers()
+        except Exception as exc:  # keep the members we have: a registry blip must not empty the gateway
+            logger.warning("cannot read the worker registry: %s", exc)
+            return
+        added, removed = membership_changes({w: c.info for w, c in self.connections.items()}, listed)
+        for worker_id in removed:
+            self._leave(worker_id)
+        joined = [self._join(info) for info in added]
+        await asyncio.gather(*(self._poll(c) for c in joined))
+
+    def _join(self, info: WorkerInfo) -> WorkerConnection:
+        logger.info("worker %s (%s) joined at %s:%d", info.worker_id, info.role, info.host, info.port)
+        self._identity = self._identity or info
+        connection = self.connections[info.worker_id] = WorkerConnection(info)
+        return connection
+
+    def _leave(self, worker_id: str) -> None:
+        connection = self.connections.pop(worker_id)
+        logger.info("worker %s left (%d streams to finish)", worker_id, connection.num_open_streams)
+        self._mark_down(connection)
+        self._leaving.append(connection)
+
+    async def _follow_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self._registry_interval_s)
+            await self.refresh_members()
+            await self._close_finished_leavers()
+
+    async def _close_finished_leavers(self) -> None:
+        done = [c for c in self._leaving if not c.num_open_streams or not c.is_open]
+        self._leaving = [c for c in self._leaving if c not in done]
+        await asyncio.gather(*(c.close() for c in done))
+
+    # ---- loads and reconnection ------------------------------------------------------------------------
+
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(c) for c in self.connections.values()))
+        await asyncio.gather(*(self._poll(c) for c in list(self.connections.values())))
 
     async def _poll_forever(self) -> None:
         while True:
@@ -141,6 +229,8 @@ class WorkerSet:
         except WorkerUnavailableError:
             self._mark_down(connection)
             return
+        if self.connections.get(connection.worker_id) is not connection:
+            return  # it left while we asked
         self.loads[connection.worker_id] = load
         self._load_seen_s[connection.worker_id] = time.monotonic()
         if self._on_load is not None:
@@ -156,7 +246,12 @@ class WorkerSet:
             return False
 
     def _mark_down(self, connection: WorkerConnection) -> None:
+        """Out of routing until it answers again: its load, and what the router knows it caches, go."""
+        if self.connections.get(connection.worker_id, connection) is not connection:
+            return  # an old connection of a worker that has since joined again
         self.loads.pop(connection.worker_id, None)
         self._load_seen_s.pop(connection.worker_id, None)
+        if self.router is not None:
+            self.router.forget_worker(connection.worker_id)
         if self._on_down is not None:
             self._on_down(connection.info)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dynserve.config import Settings
 from dynserve.engine.loader import resolve_model_path
 from dynserve.engine.tokenizer import Tokenizer
+from dynserve.events.base import EventPlane
 from dynserve.gateway.app import Gateway, build_app
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.http import HttpServer
@@ -23,15 +24,20 @@ from dynserve.router.router import Router
 __all__ = ["GatewayServer", "make_gateway_app", "serve_app"]
 
 
-def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None) -> Gateway:
+def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None, *,
+                     registry: EventPlane | None = None) -> Gateway:
     """The gateway over workers already started (their `WorkerInfo`s); loads the tokenizer if not given.
-    With several workers, requests are routed by `settings.router` (the kv mode reads the event plane)."""
+    With several workers, requests are routed by `settings.router` (the kv mode reads the event plane).
+    With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerSet`)."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
-    return build_app(settings, WorkerSet(infos, router=make_router(settings, infos)), tokenizer)
+    router = make_router(settings, infos, dynamic=registry is not None)
+    workers = WorkerSet(infos, router=router, registry=registry, registry_interval_s=settings.registry_interval_s)
+    return build_app(settings, workers, tokenizer)
 
 
-def make_router(settings: Settings, infos: list[WorkerInfo]) -> Router | None:
-    if len(infos) < 2:
+def make_router(settings: Settings, infos: list[WorkerInfo], *, dynamic: bool = False) -> Router | None:
+    """The router for `infos`; None for one fixed worker (or none known), where there is nothing to choose."""
+    if not infos or (len(infos) < 2 and not dynamic):
         return None
     return Router(settings.router, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id),
                   overlap_weight=settings.overlap_weight, temperature=settings.router_temperature,

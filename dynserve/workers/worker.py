@@ -7,6 +7,10 @@ streaming generator for callers that hold only the actor handle; both paths feed
 
 Roles: `both` (aggregated), `prefill`, `decode`; the role labels the worker's load and metrics, and the
 pools and routers use it to pick workers.
+
+Draining (`drain`): the worker refuses new requests (retryable, so a gateway that has not yet seen it leave
+retries elsewhere), leaves the registry, lets its in-flight requests finish, then closes its channels after
+flushing them; its owner (the pool) then ends the actor.
 """
 
 from __future__ import annotations
@@ -111,6 +115,10 @@ class EngineWorker:
         self._server: asyncio.Server | None = None
         self._info: WorkerInfo | None = None
         self._draining = False
+        self._plane: Any = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._num_ray_streams = 0
 
     async def start(self) -> WorkerInfo:
         if self._info is not None:
@@ -128,11 +136,11 @@ class EngineWorker:
         if self._publish_events:
             from dynserve.events.ray_plane import connect_event_plane
 
-            plane = connect_event_plane(self._settings.redis_url)
+            self._plane = plane = connect_event_plane(self._settings.redis_url, self._settings.namespace)
             await plane.register(self._info, self._settings.worker_lease_s)
             self._outbox = asyncio.Queue()
-            self._background = [asyncio.create_task(self._publish_forever(plane)),
-                                asyncio.create_task(self._heartbeat_forever(plane))]
+            self._heartbeat = asyncio.create_task(self._heartbeat_forever(plane))
+            self._background = [asyncio.create_task(self._publish_forever(plane)), self._heartbeat]
         return self._info
 
     def _queue_kv_events(self, events: list[KVEvent]) -> None:
@@ -189,6 +197,7 @@ class EngineWorker:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Ray streaming generator over one request's deltas (the channel is the fast path)."""
         sink = _QueueSink()
+        self._num_ray_streams += 1
         self._submit(request, sink)
         finished = False
         try:
@@ -202,6 +211,7 @@ class EngineWorker:
                 finished = item.finished
                 yield item
         finally:
+            self._num_ray_streams -= 1
             if not finished:
                 self.abort(request.request_id)
 
@@ -211,6 +221,44 @@ class EngineWorker:
     async def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (between benchmark rounds, after a weight change)."""
         await asyncio.wrap_future(self._runner.call(lambda engine: engine.reset_prefix_cache()))
+
+    async def drain(self, timeout_s: float) -> int:
+        """Take no new requests, leave the registry, let in-flight requests finish for up to `timeout_s`, then
+        close every channel once what was written to it is sent. Returns how many requests were still open
+        at the deadline (they are failed, retryable). The actor stays up until its owner ends it."""
+        self._draining = True
+        if self._server is not None:
+            self._server.close()  # no new connections; the open ones keep streaming
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        if self._plane is not None:
+            try:
+                await self._plane.deregister(self.worker_id)
+            except Exception:  # the plane is down: the lease runs out instead
+                logger.exception("worker %s could not leave the registry", self.worker_id)
+        # a no-op call through the command queue: every request submitted before now is open in the loop
+        await asyncio.wrap_future(self._runner.call(lambda _engine: None))
+        deadline_s = asyncio.get_running_loop().time() + timeout_s
+        while self._num_open() and asyncio.get_running_loop().time() < deadline_s:
+            await asyncio.sleep(0.02)
+        num_cut = self._num_open()
+        if num_cut:
+            logger.warning("worker %s: drain timed out after %.1f s with %d requests open", self.worker_id,
+                           timeout_s, num_cut)
+            await asyncio.to_thread(self._runner.stop)
+            await asyncio.sleep(0)  # deliver the errors the stop queued on this loop
+        for writer in list(self._writers):
+            writer.close()  # sends what is buffered, then closes
+        for writer in list(self._writers):
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        logger.info("worker %s drained (%d requests cut)", self.worker_id, num_cut)
+        return num_cut
+
+    def _num_open(self) -> int:
+        return self._runner.num_open_requests + self._num_ray_streams
 
     async def stop(self) -> None:
         """Stop accepting work, fail what is open (retryable), and stop the engine thread."""
@@ -232,6 +280,7 @@ class EngineWorker:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sink = _ConnectionSink(writer)
+        self._writers.add(writer)
         try:
             while (body := await read_frame(reader)) is not None:
                 frame = _CLIENT_FRAMES.decode(body)
@@ -248,6 +297,7 @@ class EngineWorker:
         except (ChannelError, msgspec.DecodeError, OSError) as exc:
             logger.warning("worker %s: dropping a client connection: %s", self.worker_id, exc)
         finally:
+            self._writers.discard(writer)
             for request_id in sink.open_request_ids:  # the client is gone: free what it left running
                 self.abort(request_id)
             writer.close()
