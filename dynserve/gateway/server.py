@@ -21,7 +21,7 @@ from dynserve.hashing import model_salt
 from dynserve.protocol import WorkerInfo
 from dynserve.router.router import Router
 
-__all__ = ["GatewayServer", "make_gateway_app", "serve_app"]
+__all__ = ["GatewayServer", "make_gateway_app", "serve_app", "serve_app_async"]
 
 
 def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None, *,
@@ -49,14 +49,20 @@ def serve_app(app: Gateway, settings: Settings, on_ready: Callable[[int], None] 
     most) and return; `on_ready(port)` runs once the socket is bound and the workers are connected."""
     import uvloop
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await _serve(app, settings, stop, on_ready)
+    uvloop.run(serve_app_async(app, settings, on_ready))
 
-    uvloop.run(main())
+
+async def serve_app_async(app: Gateway, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
+    """`serve_app` on the running loop (which must be the main thread's, for the signal handlers)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await _serve(app, settings, stop, on_ready)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
 
 
 async def _serve(app: Gateway, settings: Settings, stop: asyncio.Event,
