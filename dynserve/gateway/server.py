@@ -21,7 +21,7 @@ from dynserve.hashing import model_salt
 from dynserve.protocol import WorkerInfo
 from dynserve.router.router import Router
 
-__all__ = ["GatewayServer", "make_gateway_app", "serve_app"]
+__all__ = ["GatewayServer", "make_gateway_app", "serve_app", "serve_app_async"]
 
 
 def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None) -> Any:
@@ -49,10 +49,13 @@ def serve_app(app: FastAPI, settings: Settings, on_ready: Callable[[int], None] 
     bound and the workers are connected."""
     import uvloop
 
-    uvloop.run(_serve_app(app, settings, on_ready))
+    uvloop.run(serve_app_async(app, settings, on_ready))
 
 
-async def _serve_app(app: FastAPI, settings: Settings, on_ready: Callable[[int], None] | None) -> None:
+async def serve_app_async(app: FastAPI, settings: Settings,
+                          on_ready: Callable[[int], None] | None = None) -> None:
+    """`serve_app` on the running loop, for callers that start their own parts on it first (the standalone
+    mocker starts its worker there)."""
     server = uvicorn.Server(_config(app, settings))
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
