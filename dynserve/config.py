@@ -5,11 +5,13 @@ Defaults are what a new user on a laptop needs: the bundled SmolLM2 model, fp32 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Settings", "torch_dtype"]
 
@@ -17,6 +19,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 _GATEWAY: dict[str, Any] = {"group": "gateway"}
 _CLUSTER: dict[str, Any] = {"group": "cluster"}
 _POOL: dict[str, Any] = {"group": "pool"}
+_MOCKER: dict[str, Any] = {"group": "mocker"}
 
 
 class Settings(BaseSettings):
@@ -89,12 +92,33 @@ class Settings(BaseSettings):
     registry_interval_s: float = Field(0.25, gt=0, description="how often a gateway that follows the "
                                        "registry re-reads it", json_schema_extra=_POOL)
 
+    # ---- mocker ----
+    mocker: str | None = Field(None, description="serve simulated workers (real scheduler, block manager and KV "
+                               "events; no model) that take the step times of this profile: cpu, "
+                               "llama-3.1-8b-h100, llama-3.1-70b-h100-tp4; KV blocks, context and batch limits "
+                               "not set explicitly are the profile's", json_schema_extra=_MOCKER)
+    mocker_speedup: float = Field(1.0, gt=0, description="mocker: run this many times faster than the profile",
+                                  json_schema_extra=_MOCKER)
+
+    @field_validator("mocker")
+    @classmethod
+    def _known_profile(cls, name: str | None) -> str | None:
+        if name is None:
+            return None
+        from dynserve.workers.mocker_profiles import PROFILES  # data only: no cycle, no torch
+
+        if name not in PROFILES:
+            raise ValueError(f"unknown mocker profile {name!r}; choose one of {', '.join(PROFILES)}")
+        return name
+
     @classmethod
     def field_names(cls, group: str) -> list[str]:
-        """Names of the fields in `group` ("engine", "gateway", "cluster" or "pool")."""
+        """Names of the fields in `group` ("engine", "gateway", "cluster", "pool" or "mocker")."""
         return [name for name, f in cls.model_fields.items()
                 if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]
 
 
 def torch_dtype(name: DType) -> torch.dtype:
+    import torch
+
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

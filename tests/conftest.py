@@ -124,3 +124,24 @@ def client(gateway: Any) -> Any:
     import openai
 
     return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# ---- mockers: simulated workers (no model) on the session's Ray -------------------------------------
+
+@pytest.fixture(scope="session")
+def make_mocker(ray_instance: Any) -> Any:
+    """Start a mocker worker actor: make_mocker("m0", mocker_speedup=10, kv_blocks=256) -> (handle, WorkerInfo).
+    Mockers publish their KV events on the embedded event plane; all are killed at the end of the session."""
+    from dynserve.workers.mocker import launch_mocker
+
+    handles = []
+
+    def factory(worker_id: str, **overrides: Any) -> tuple[Any, Any]:
+        settings = Settings(**{"mocker": "cpu", "kv_blocks": 512, **overrides})
+        handle, info_ref = launch_mocker(settings, worker_id, publish_events=True)
+        handles.append(handle)
+        return handle, ray_instance.get(info_ref, timeout=120)
+
+    yield factory
+    for handle in handles:
+        ray_instance.kill(handle)

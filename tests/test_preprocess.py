@@ -52,6 +52,9 @@ def test_n_seeded_choices_get_distinct_seeds(tokenizer: Any) -> None:
     ({"response_format": {"type": "json_schema"}}, "response_format"), ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"modalities": ["audio"]}, "modalities"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"max_tokens": 9000}, "max_tokens"),
+    ({"no_stop_trim": True}, "no_stop_trim"), ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"return_hidden_states": True}, "return_hidden_states"),
+    ({"continue_final_message": True}, "continue_final_message"),
 ])
 def test_unsupported_or_inconsistent_parameters_are_named(tokenizer: Any, fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
@@ -62,6 +65,9 @@ def test_unsupported_or_inconsistent_parameters_are_named(tokenizer: Any, fields
 def test_accepted_no_op_fields_pass(tokenizer: Any) -> None:
     prepare_chat(chat(response_format={"type": "text"}, modalities=["text"], store=False, metadata={"a": "b"},
                       user="u", service_tier="auto"), tokenizer, 8192)
+    # what sglang-router adds to every request it forwards: SGLang's extensions at their defaults
+    prepare_chat(chat(no_stop_trim=False, skip_special_tokens=True, return_hidden_states=False,
+                      continue_final_message=False, separate_reasoning=True, stream_reasoning=False), tokenizer, 8192)
 
 
 def test_non_text_parts_are_rejected_by_position(tokenizer: Any) -> None:

@@ -19,31 +19,39 @@ from dynserve.config import Settings
 from dynserve.errors import DynserveError, InvalidRequestError
 from dynserve.protocol import SamplingParams
 
-__all__ = ["main"]
+__all__ = ["add_settings_group", "main", "settings_from"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser, *groups: str) -> None:
     for group_name in groups:
-        _add_settings_group(parser, group_name)
+        add_settings_group(parser, group_name)
 
 
-def _add_settings_group(parser: argparse.ArgumentParser, group_name: str) -> None:
+def add_settings_group(parser: argparse.ArgumentParser, group_name: str, *, only: set[str] | None = None,
+                       aliases: dict[str, list[str]] | None = None) -> None:
+    """One flag per `Settings` field of `group_name` (or of those in `only`), each showing its env twin;
+    `aliases` gives a field more flag names (e.g. {"port": ["--http-port"]})."""
     group = parser.add_argument_group(f"{group_name} (each flag has an env twin)")
     for name in Settings.field_names(group_name):
+        if only is not None and name not in only:
+            continue
         field = Settings.model_fields[name]
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-"), *(aliases or {}).get(name, [])]
         env = f"DYN_{name.upper()}"
         help_text = f"{field.description} [env: {env}; default: {field.default}]".replace("%", "%%")
         if field.annotation is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
             continue
         choices = [c for c in get_args(field.annotation) if isinstance(c, str)] or None
-        group.add_argument(flag, default=None, choices=choices, metavar=name.upper(), help=help_text)
+        group.add_argument(*flags, dest=name, default=None, choices=choices, metavar=name.upper(), help=help_text)
 
 
-def _settings_from(args: argparse.Namespace) -> Settings:
+def settings_from(args: argparse.Namespace) -> Settings:
+    """`Settings` from the flags given (the rest from `DYN_*` variables and defaults); InvalidRequestError
+    names each bad flag."""
     given: dict[str, Any] = {n: getattr(args, n) for n in Settings.model_fields
                              if getattr(args, n, None) is not None}
     try:
@@ -70,7 +78,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(gen, "engine")
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
-    _add_settings_flags(serve, "gateway", "engine", "cluster")
+    _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker")
     return parser
 
 
@@ -79,7 +87,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from dynserve.engine.llm_engine import LLMEngine
 
-    settings = _settings_from(args)
+    settings = settings_from(args)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )
@@ -135,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from dynserve.cli.serve import serve
 
-            return serve(_settings_from(args))
+            return serve(settings_from(args))
     except InvalidRequestError as exc:
         print(f"dynctl: invalid input: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,5 +1,6 @@
 """`dynctl serve`: Ray (a local instance, or the cluster at `--ray-address`), `--workers` engine workers (with
-several, the gateway routes by `--router`, `kv` by default), and the gateway.
+several, the gateway routes by `--router`, `kv` by default), and the gateway. With `--mocker PROFILE` the
+workers are mockers (simulated step times, no model; see `dynserve/workers/mocker.py`).
 
 Thin: it starts the parts the library provides, shows progress while the worker loads its model, prints
 where to send requests, and on Ctrl-C (or SIGTERM) stops the gateway, the worker and the Ray instance it
@@ -51,7 +52,7 @@ def _wait_for_worker(handle: Any, info_ref: Any, worker_id: str) -> Any:
         if ready:
             break
         if interactive:
-            print(f"\rloading the model in worker {worker_id}... {time.monotonic() - start_s:4.0f} s",
+            print(f"\rstarting worker {worker_id}... {time.monotonic() - start_s:4.0f} s",
                   end="", file=sys.stderr, flush=True)
     if interactive:
         print(file=sys.stderr)
@@ -62,7 +63,10 @@ def _wait_for_worker(handle: Any, info_ref: Any, worker_id: str) -> Any:
 
 
 def _banner(settings: Settings, model_id: str, port: int) -> str:
-    workers = "1 worker" if settings.workers == 1 else f"{settings.workers} workers, router {settings.router}"
+    kind = "worker" if settings.mocker is None else "mocker worker"
+    workers = f"1 {kind}" if settings.workers == 1 else f"{settings.workers} {kind}s, router {settings.router}"
+    if settings.mocker is not None:
+        workers += f", profile {settings.mocker}, speedup {settings.mocker_speedup:g}"
     host = "localhost" if settings.host in ("127.0.0.1", "0.0.0.0") else settings.host
     base = f"http://{host}:{port}"
     auth = ' -H "Authorization: Bearer $DYN_API_KEY"' if settings.api_key else ""
@@ -82,7 +86,7 @@ def serve(settings: Settings) -> int:
     from dynserve.gateway.app import build_app
     from dynserve.gateway.backend import WorkerSet
     from dynserve.gateway.server import make_router, serve_app
-    from dynserve.workers.worker import launch_worker
+    from dynserve.workers.worker import launch_worker, reserved_cpus
 
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
     started_ray = start_ray(settings)
@@ -91,7 +95,7 @@ def serve(settings: Settings) -> int:
         # several workers on one host share its cores: each gets its part of the threads
         threads = settings.num_threads or max(1, (os.cpu_count() or 1) // settings.workers)
         worker_settings = settings.model_copy(update={"num_threads": threads})
-        launched = [launch_worker(worker_settings, f"w{i}", num_cpus=settings.worker_num_cpus,
+        launched = [launch_worker(worker_settings, f"w{i}", num_cpus=reserved_cpus(settings),
                                   publish_events=settings.workers > 1) for i in range(settings.workers)]
         handles = [handle for handle, _ in launched]
         infos = [_wait_for_worker(handle, ref, f"w{i}") for i, (handle, ref) in enumerate(launched)]

@@ -13,14 +13,17 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from dynserve.errors import ModelLoadError
 
-__all__ = ["DEFAULT_MODEL_ID", "ModelConfig", "default_model_path", "load_model_weights", "resolve_model_path"]
+if TYPE_CHECKING:  # torch is imported where weights are built, so resolving paths and ids needs none
+    import torch
+
+__all__ = ["DEFAULT_MODEL_ID", "ModelConfig", "default_model_path", "load_model_weights", "model_id_of",
+           "resolve_model_path"]
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 _SUPPORTED_ARCHITECTURES = {"llama", "LlamaForCausalLM", "MistralForCausalLM"}
@@ -87,13 +90,21 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
     return path
 
 
+def model_id_of(path: Path) -> str:
+    """The id a model is served and hashed under: the directory's name, or the GGUF file's up to its first dot."""
+    return path.name if path.is_dir() else path.name.split(".")[0]
+
+
 def load_model_weights(
-    model: str | os.PathLike[str] | None, dtype: torch.dtype = torch.float32
+    model: str | os.PathLike[str] | None, dtype: torch.dtype | None = None
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The config and a state dict in `dtype` (default float32)."""
+    import torch
+
     path = resolve_model_path(model)
     if path.is_dir():
-        return _load_hf_dir(path, dtype)
-    return _load_gguf(path, dtype)
+        return _load_hf_dir(path, dtype or torch.float32)
+    return _load_gguf(path, dtype or torch.float32)
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------------
@@ -126,7 +137,7 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
         }
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
-        model_id=path.name.split(".")[0],
+        model_id=model_id_of(path),
         architecture="llama",
         vocab_size=int(get("vocab_size", len(tokens.data) if tokens is not None else 0)),
         hidden_size=hidden,
@@ -158,6 +169,7 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf
+    import torch
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -219,7 +231,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
         raise ModelLoadError(f"unsupported architecture {archs[0]!r} (supported: llama family)", path=str(path))
     num_heads = raw["num_attention_heads"]
     config = ModelConfig(
-        model_id=path.name,
+        model_id=model_id_of(path),
         architecture="llama",
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],

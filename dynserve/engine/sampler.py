@@ -58,7 +58,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
             continue
         scaled = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
         probs = scaled.softmax(-1)
-        token_ids.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+        token_ids.append(int(torch.multinomial(probs, 1, generator=seq.sampling_generator()).item()))
     return SampleResult(token_ids, _logprobs(logits, seqs, token_ids))
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from dynserve.hashing import BlockHash, hash_block
 from dynserve.protocol import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -41,7 +43,7 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     arrival_time_s: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
+    _generator: torch.Generator | None = None  # built on first use: see `sampling_generator`
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # token id -> count over output tokens, kept only when a penalty needs it
     output_counts: dict[int, int] | None = None
@@ -49,10 +51,17 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.output_counts = {}
+
+    def sampling_generator(self) -> torch.Generator | None:
+        """This request's seeded torch generator (None without a seed). Built on the first draw, so engines
+        that never sample with torch (the mocker) never import it; the stream is the same either way."""
+        if self._generator is None and self.params.seed is not None:
+            import torch
+
+            self._generator = torch.Generator().manual_seed(self.params.seed)
+        return self._generator
 
     @property
     def num_tokens(self) -> int:

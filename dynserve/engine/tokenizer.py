@@ -217,6 +217,11 @@ class Tokenizer:
                 message = f"{name}_token_id {token_id} is outside the vocabulary of {self.vocab_size}"
                 raise TokenizerError(message)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of the control tokens (e.g. `<|im_start|>`), which decoded output text leaves out."""
+        return self._special_ids
+
     # construction
 
     @classmethod

@@ -22,6 +22,9 @@ _UNSUPPORTED = (
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio",
     "prediction", "reasoning_effort", "web_search_options", "verbosity",
 )
+# SGLang extension fields and the one value of each that describes what dynserve does
+_SGLANG_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
+                    "continue_final_message": False}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,9 @@ def reject_unsupported(request: _SamplingFields) -> None:
         raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
     if request.logit_bias:
         raise InvalidRequestError("'logit_bias' is not supported by this server", param="logit_bias")
+    for name, served in _SGLANG_DEFAULTS.items():
+        if getattr(request, name, served) != served:
+            raise InvalidRequestError(f"'{name}': only {str(served).lower()} is supported by this server", param=name)
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
 

@@ -2,7 +2,9 @@
 
 Unknown fields are rejected (`extra="forbid"`), as OpenAI does, so a typo never silently changes behaviour.
 Fields OpenAI defines that dynserve does not implement are declared here so they validate, and then
-`preprocess.reject_unsupported` answers them with a 400 that names them. Responses are plain dicts built in
+`preprocess.reject_unsupported` answers them with a 400 that names them. So are SGLang's extension fields that
+sglang-router adds, at their defaults, to every request it forwards: those defaults ask for what dynserve
+does, so they are accepted; any other value is a 400 naming the field. Responses are plain dicts built in
 `responses.py` and encoded with msgspec (they are on the hot path and need no validation).
 """
 
@@ -76,6 +78,11 @@ class _SamplingFields(_Strict):
     reasoning_effort: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    # SGLang extensions (sglang-router sends them): the defaults are dynserve's behaviour, other values a 400
+    no_stop_trim: bool = Field(False, description="extension (SGLang): false leaves a matched stop string out")
+    skip_special_tokens: bool = Field(True, description="extension (SGLang): true leaves control tokens out "
+                                      "of the text")
+    return_hidden_states: bool = Field(False, description="extension (SGLang): only false is served")
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -83,6 +90,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # SGLang extensions, as above; the two reasoning switches do nothing without a reasoning parser (dynserve
+    # has none), so any value is accepted
+    continue_final_message: bool = Field(False, description="extension (SGLang): only false is served")
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class CompletionRequest(_SamplingFields):

@@ -1,4 +1,5 @@
-"""Drives one `LLMEngine` on its own thread and hands its output to an asyncio loop.
+"""Drives one engine (an `EngineCore`: the model's or the mocker's) on its own thread and hands its output
+to an asyncio loop.
 
 The engine is built on that same thread (`start` runs the builder there and waits for it): torch's
 OpenMP thread team belongs to the thread that first runs a parallel op, and an engine stepping on one
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from dynserve.engine.llm_engine import LLMEngine
+from dynserve.engine.core import EngineCore
 from dynserve.errors import InvalidRequestError
 from dynserve.protocol import GenerateRequest, KVEvent, RequestError, RequestTiming, TokenDelta
 
@@ -60,7 +61,7 @@ class _Stop:
 
 @dataclass(slots=True)
 class _Call:
-    fn: Callable[[LLMEngine], object]
+    fn: Callable[[EngineCore], object]
     future: concurrent.futures.Future[object]
 
 
@@ -68,13 +69,13 @@ _Command = tuple[GenerateRequest, Sink, float] | str | _Stop | _Call
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], LLMEngine], *, name: str = "engine", nice: int = 0,
+    def __init__(self, build: Callable[[], EngineCore], *, name: str = "engine", nice: int = 0,
                  on_kv_events: Callable[[list[KVEvent]], None] | None = None) -> None:
         self._build = build
         self._on_kv_events = on_kv_events  # called on the asyncio loop with each step's KV events, in order
         self._nice = nice
         self._built = threading.Event()
-        self.engine: LLMEngine | None = None
+        self.engine: EngineCore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._open: dict[str, _Open] = {}  # touched by the engine thread only
@@ -84,7 +85,7 @@ class EngineLoop:
 
     # ---- any thread ----------------------------------------------------------------------------------
 
-    def start(self) -> LLMEngine:
+    def start(self) -> EngineCore:
         """Start the thread, build the engine on it, and return the engine; re-raises a build failure."""
         self._thread.start()
         self._built.wait()
@@ -102,7 +103,7 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(request_id)
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> concurrent.futures.Future[object]:
+    def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future[object]:
         """Run `fn(engine)` on the engine thread between steps (e.g. a prefix-cache reset or snapshot)."""
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
         self._commands.put(_Call(fn, future))
@@ -152,7 +153,7 @@ class EngineLoop:
             logger.exception("engine loop failed; failing %d open requests", len(self._open))
             self._fail_open(f"the worker's engine failed: {exc}")
 
-    def _forward_kv_events(self, engine: LLMEngine) -> None:
+    def _forward_kv_events(self, engine: EngineCore) -> None:
         if self._on_kv_events is None:
             return
         events = engine.drain_kv_events()
@@ -235,7 +236,7 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(fn)
 
 
-def _run_call(call: _Call, engine: LLMEngine | None) -> None:
+def _run_call(call: _Call, engine: EngineCore | None) -> None:
     if not call.future.set_running_or_notify_cancel():
         return
     try:

@@ -11,6 +11,10 @@ pools and routers use it to pick workers.
 Draining (`drain`): the worker refuses new requests (retryable, so a gateway that has not yet seen it leave
 retries elsewhere), leaves the registry, lets its in-flight requests finish, then closes its channels after
 flushing them; its owner (the pool) then ends the actor.
+
+With `settings.mocker` set the worker runs the mocker's engine (`mocker.py`: the real scheduler, block
+manager and KV events, simulated step times, no model) and everything else here is unchanged; such a worker
+imports no torch and reserves almost no Ray CPU.
 """
 
 from __future__ import annotations
@@ -44,11 +48,12 @@ from dynserve.protocol import (
 )
 from dynserve.workers.channel import encode_frame, read_frame
 
-__all__ = ["EngineWorker", "Role", "launch_worker"]
+__all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_worker", "reserved_cpus"]
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["both", "prefill", "decode"]
+MOCKER_NUM_CPUS = 0.01  # a mocker sleeps through its steps: 64 of them fit in a 2-CPU Ray node
 _CLIENT_FRAMES = msgspec.msgpack.Decoder(ClientFrame)
 
 
@@ -103,7 +108,8 @@ class EngineWorker:
         # The engine thread runs Python between kernels while holding the GIL; a short switch interval bounds
         # how long the channel's I/O thread waits to move a finished token (the default is 5 ms).
         sys.setswitchinterval(0.0005)
-        on_cpu = settings.device == "cpu" or (settings.device == "auto" and not _cuda_available())
+        on_cpu = settings.mocker is None and (
+            settings.device == "cpu" or (settings.device == "auto" and not _cuda_available()))
         self._settings = settings
         self._publish_events = publish_events
         self._outbox: asyncio.Queue[list[KVEvent]] | None = None
@@ -312,6 +318,10 @@ def _cuda_available() -> bool:
 
 
 def _build_engine(settings: Settings) -> Any:
+    if settings.mocker is not None:
+        from dynserve.workers.mocker import MockEngine
+
+        return MockEngine(settings)  # nothing to warm up
     from dynserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(settings)
@@ -321,16 +331,27 @@ def _build_engine(settings: Settings) -> Any:
     return engine
 
 
+def reserved_cpus(settings: Settings) -> float:
+    """Ray CPUs a worker reserves: `worker_num_cpus` when it was set, else its default for a model worker
+    and `MOCKER_NUM_CPUS` for a mocker."""
+    if settings.mocker is not None and "worker_num_cpus" not in settings.model_fields_set:
+        return MOCKER_NUM_CPUS
+    return settings.worker_num_cpus
+
+
 def launch_worker(
-    settings: Settings, worker_id: str, role: Role = "both", *, num_cpus: float = 1.0, num_gpus: float = 0.0,
-    host: str = "127.0.0.1", publish_events: bool = False,
+    settings: Settings, worker_id: str, role: Role = "both", *, num_cpus: float | None = None,
+    num_gpus: float = 0.0, host: str = "127.0.0.1", publish_events: bool = False,
 ) -> tuple[Any, Any]:
     """Create the worker actor and start it; returns (actor handle, ObjectRef of its `WorkerInfo`).
 
-    Resolving the ref waits for the model to load. Ray must be initialized.
+    `num_cpus` defaults to `reserved_cpus(settings)`. A mocker worker when `settings.mocker` names a
+    profile. Resolving the ref waits for the model to load. Ray must be initialized.
     """
     import ray
 
+    if num_cpus is None:
+        num_cpus = reserved_cpus(settings)
     # Ray starts actors with OMP_NUM_THREADS set to their CPU reservation (1 here); torch's later
     # set_num_threads does not undo that for its GEMMs, which then run up to 4x slower. Start the process
     # with the thread count the engine will use.

@@ -1,0 +1,232 @@
+"""Request bookkeeping every engine shares: requests in, token deltas out, over the real scheduler and block
+manager. What runs a scheduled batch is the subclass's: `LLMEngine` runs the model, the mocker's engine
+sleeps for the time its profile gives and draws pseudo-random tokens.
+
+`EngineCore.step()` schedules a batch, asks `_execute` for one token per sequence whose every token is now
+computed, records the step with the scheduler (which caches the blocks it filled), and turns each token into a
+`TokenDelta`: detokenized text, stop strings, stop ids (EOS unless `ignore_eos`), `max_tokens`, the context
+limit, cumulative usage counts and prefix-cache hits. Everything here is pure Python (no torch), so an engine
+without a model imports none.
+
+Invariants: every added request ends with exactly one finished delta, or is aborted; a finished or aborted
+request holds no blocks; `stats` counts only what this engine did.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+import msgspec
+
+from dynserve.config import Settings
+from dynserve.engine.block_manager import BlockManager
+from dynserve.engine.output import OutputText
+from dynserve.engine.scheduler import ScheduledBatch, Scheduler
+from dynserve.engine.sequence import Sequence
+from dynserve.engine.tokenizer import Tokenizer
+from dynserve.errors import InvalidRequestError
+from dynserve.hashing import model_salt
+from dynserve.protocol import KVEvent, SamplingParams, TokenDelta, TokenLogprob
+
+__all__ = ["EngineCore", "EngineStats", "GenerationResult", "StepSamples"]
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens of admitted requests
+    num_computed_prompt_tokens: int = 0  # tokens the model actually ran for prefill (chunks, recomputes)
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_cached_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepSamples:
+    """What running one batch produced: a token (and its logprob, when asked) per sequence that sampled."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    output: OutputText
+    stop_token_ids: frozenset[int]
+
+
+class EngineCore:
+    """The engine surface workers drive: `add_request`, `step`, `abort`, `drain_kv_events`, snapshots through
+    `block_manager`, loads through `scheduler`. Single-threaded. Subclasses implement `_execute`."""
+
+    def __init__(self, settings: Settings, tokenizer: Tokenizer, *, model_id: str, vocab_size: int,
+                 eos_token_id: int | None, max_model_len: int, num_blocks: int) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(
+            num_blocks, settings.block_size, model_salt(model_id), settings.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len
+        )
+        self.stats = EngineStats()
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, eos_token_id) if i is not None)
+
+    def _execute(self, batch: ScheduledBatch) -> StepSamples:
+        """Run `batch` (the scheduler has not yet recorded it as computed) and sample a token for every
+        sequence scheduled up to its last token, in batch order."""
+        raise NotImplementedError
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request (text or token ids). Raises InvalidRequestError for bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids)
+        if params.seed is None and not params.greedy:
+            params = msgspec.structs.replace(params, seed=self.settings.seed + next(self._ids))
+        seq = Sequence(request_id, token_ids, params)
+        self.scheduler.add(seq)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
+        self._requests[request_id] = _Request(
+            seq, OutputText(self.tokenizer.detokenizer(), params.stop), frozenset(stop_ids)
+        )
+        self.stats.num_prompt_tokens += len(token_ids)
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty", param="prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens; this model's context length is {self.max_model_len}",
+                param="prompt",
+            )
+        if any(not 0 <= t < self.vocab_size for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request.seq, "abort")
+        return True
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.block_manager.drain_events()
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    # ---- stepping -------------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenDelta]:
+        batch = self.scheduler.schedule()
+        self.stats.num_preemptions += len(batch.preempted)
+        if batch.is_empty:
+            return []
+        self._count_prefill(batch)
+        samples = self._execute(batch)
+        self.scheduler.complete_step(batch)
+        self.stats.num_steps += 1
+        return [self._append(self._requests[seq.request_id], token_id, logprob)
+                for seq, token_id, logprob in zip(samples.seqs, samples.token_ids, samples.logprobs, strict=True)]
+
+    def _count_prefill(self, batch: ScheduledBatch) -> None:
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if not is_decode(seq, num_new):
+                self.stats.num_computed_prompt_tokens += num_new
+        self.stats.num_cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
+
+    def _append(self, request: _Request, token_id: int, logprob: TokenLogprob | None) -> TokenDelta:
+        seq = request.seq
+        seq.append_token(token_id)
+        self.stats.num_generated_tokens += 1
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        text = "" if token_id in request.stop_token_ids else request.output.push(token_id)
+        reason = None
+        if token_id in request.stop_token_ids or request.output.stopped:
+            reason = "stop"
+        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            text += request.output.finish()
+            self.scheduler.finish(seq, reason)
+            del self._requests[seq.request_id]
+        return TokenDelta(
+            request_id=seq.request_id,
+            token_ids=[token_id],
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            logprobs=None if logprob is None else [logprob],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    # ---- convenience ----------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: SequenceABC[str | list[int]],
+        params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[GenerationResult]:
+        """Run `prompts` to completion together; results in prompt order."""
+        per_prompt = list(params) if isinstance(params, SequenceABC) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, per_prompt, strict=True)]
+        results: dict[str, GenerationResult] = {}
+        seqs = {rid: self._requests[rid].seq for rid in ids}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        while any(rid not in results for rid in ids):
+            for delta in self.step():
+                texts[delta.request_id].append(delta.text)
+                if delta.finished:
+                    seq = seqs[delta.request_id]
+                    results[delta.request_id] = GenerationResult(
+                        seq.request_id, seq.prompt_token_ids, seq.output_token_ids, "".join(texts[seq.request_id]),
+                        seq.finish_reason, seq.num_cached_tokens, seq.output_logprobs,
+                    )
+        return [results[rid] for rid in ids]
+
+
+def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
+    """True when a scheduled sequence computes one token after its whole prompt and earlier outputs (a decode,
+    not a prefill chunk or a recompute after preemption)."""
+    return num_new_tokens == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1

@@ -1,0 +1,232 @@
+"""The mocker: a worker without a model, for routing and scaling experiments at any size on any machine.
+
+`MockEngine` is an `EngineCore` like the real engine, over the real `Scheduler` and `BlockManager`, so
+continuous batching, chunked prefill, preemption, the prefix cache, cached-token counts, KV events and
+snapshots are the real ones. Running a scheduled batch is simulated instead: the step takes the wall time its
+`MockerProfile` gives for the work in it (uncached prompt tokens, decoding sequences, their context), divided
+by `mocker_speedup`, and each sequence that finished its prefill or decodes gets a pseudo-random token.
+
+It runs inside the ordinary `EngineWorker` (set `Settings.mocker` to a profile name; `launch_mocker` also
+reserves almost no Ray CPU), so the worker channel, loads, KV events and the gateway work unchanged; and
+standalone, behind our own gateway, as an OpenAI-compatible server that other routers can front:
+
+    python -m dynserve.workers.mocker --profile cpu --speedup 10 --http-port 9001
+
+Invariants:
+- Nothing here imports torch (`import dynserve.workers.mocker` leaves it out of `sys.modules`).
+- Tokens are a pure function of (the request's seed, the token's position): the seed the engine assigns or
+  the request gives, or for greedy requests the prompt, so the same greedy prompt always gets the same
+  answer. Tokens are drawn from the vocabulary minus control tokens, so EOS never comes and a request runs to
+  `max_tokens` unless one of its `stop_token_ids` or `stop` strings comes first.
+- Steps are paced on a clock that carries over between back-to-back steps: a sleep that overshoots is taken
+  back from the next step, so a busy mocker keeps the profile's throughput; an idle one starts afresh.
+- Logprobs are synthetic but well-formed: the chosen token first and most likely, then `k - 1` others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import struct
+import sys
+import time
+from typing import Any
+
+import msgspec
+import xxhash
+
+from dynserve.config import Settings
+from dynserve.engine.core import EngineCore, StepSamples, is_decode
+from dynserve.engine.loader import model_id_of, resolve_model_path
+from dynserve.engine.scheduler import ScheduledBatch
+from dynserve.engine.sequence import Sequence
+from dynserve.engine.tokenizer import Tokenizer
+from dynserve.protocol import SamplingParams, TokenDelta, TokenLogprob
+from dynserve.workers.mocker_profiles import MockerProfile, StepWork, get_profile
+
+__all__ = ["MockEngine", "launch_mocker", "main", "step_work"]
+
+logger = logging.getLogger(__name__)
+
+_SEED_MASK = 2**64 - 1
+_KEY = struct.Struct("<QQ")
+_LOGPROB_SALT = 0x9E3779B97F4A7C15
+_CATCH_UP_S = 0.005  # a step that starts this soon after the last one's deadline continues its clock
+_SCHEDULER_LIMITS = ("max_num_seqs", "max_num_batched_tokens")
+
+
+def step_work(batch: ScheduledBatch) -> StepWork:
+    """The work a scheduled batch does, in the units profiles price (call before `complete_step`)."""
+    num_prefill = num_pairs = num_decode = num_context = 0
+    for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        if is_decode(seq, num_new):
+            num_decode += 1
+            num_context += seq.num_tokens
+        else:
+            num_prefill += num_new
+            num_pairs += num_new * seq.num_computed_tokens + num_new * (num_new + 1) // 2
+    return StepWork(num_prefill, num_pairs, num_decode, num_context)
+
+
+class MockEngine(EngineCore):
+    """An engine whose steps take the profile's time and whose tokens are pseudo-random."""
+
+    def __init__(self, settings: Settings, tokenizer: Tokenizer | None = None,
+                 profile: MockerProfile | None = None) -> None:
+        """Profile `settings.mocker` (default `cpu`); tokenizer, vocabulary and model id of `settings.model`
+        (default the bundled SmolLM2). KV blocks, context and scheduler limits are the profile's unless
+        settings set them."""
+        self.profile = profile or get_profile(settings.mocker or "cpu")
+        path = resolve_model_path(settings.model)
+        tokenizer = tokenizer or Tokenizer.load(path)
+        overrides = {n: getattr(self.profile, n) for n in _SCHEDULER_LIMITS if n not in settings.model_fields_set}
+        settings = settings.model_copy(update=overrides)
+        super().__init__(
+            settings, tokenizer, model_id=model_id_of(path), vocab_size=tokenizer.vocab_size, eos_token_id=None,
+            max_model_len=settings.max_model_len or self.profile.max_model_len,
+            num_blocks=settings.kv_blocks or self.profile.num_kv_blocks(settings.block_size),
+        )
+        self.speedup = settings.mocker_speedup
+        self.simulated_busy_s = 0.0  # the sum of every step's modelled time (after the speedup)
+        self._skipped_ids = sorted(tokenizer.special_token_ids | self._eos_ids)
+        self._num_drawable = self.vocab_size - len(self._skipped_ids)
+        self._step_started_s = 0.0
+        self._clock_s = 0.0
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if params.seed is None and params.greedy:  # a greedy answer depends on the prompt alone
+            params = msgspec.structs.replace(params, seed=hash(tuple(token_ids)) & _SEED_MASK)
+        return super().add_request(token_ids, params, request_id)
+
+    def step(self) -> list[TokenDelta]:
+        self._step_started_s = time.monotonic()
+        return super().step()
+
+    def _execute(self, batch: ScheduledBatch) -> StepSamples:
+        samples = StepSamples([], [], [])
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            if seq.num_computed_tokens + num_new != seq.num_tokens:
+                continue  # a prefill chunk that is not the last: no token yet
+            token_id = self._draw(seq.params.seed, seq.num_tokens)
+            samples.seqs.append(seq)
+            samples.token_ids.append(token_id)
+            samples.logprobs.append(None if seq.params.logprobs is None else self._logprob(seq, token_id))
+        self._pace(self.profile.step_time_ms(step_work(batch)) / 1e3 / self.speedup)
+        return samples
+
+    def _pace(self, duration_s: float) -> None:
+        """Sleep until this step's modelled end (see the module's invariants)."""
+        self.simulated_busy_s += duration_s
+        started_s = self._step_started_s
+        start_s = self._clock_s if started_s - self._clock_s < _CATCH_UP_S else started_s
+        self._clock_s = start_s + duration_s
+        remaining_s = self._clock_s - time.monotonic()
+        if remaining_s > 0:
+            time.sleep(remaining_s)
+
+    def _draw(self, seed: int | None, position: int, salt: int = 0) -> int:
+        """A token id in the vocabulary, never a skipped one, fixed by (seed, position, salt)."""
+        key = _KEY.pack((seed or 0) & _SEED_MASK, (position + salt * 1_000_003) & _SEED_MASK)
+        token_id = xxhash.xxh3_64_intdigest(key) % self._num_drawable
+        for skipped in self._skipped_ids:  # shift past each skipped id at or below it (sorted)
+            if token_id >= skipped:
+                token_id += 1
+        return token_id
+
+    def _logprob(self, seq: Sequence, token_id: int) -> TokenLogprob:
+        seed = ((seq.params.seed or 0) ^ _LOGPROB_SALT) & _SEED_MASK
+        p = 0.5 + 0.45 * (xxhash.xxh3_64_intdigest(_KEY.pack(seed, seq.num_tokens)) % 10_000) / 10_000
+        k = seq.params.logprobs or 0
+        top: list[tuple[int, float]] = [(token_id, math.log(p))] if k else []
+        rest = 1.0 - p
+        for i in range(1, k):
+            other = self._draw(seq.params.seed, seq.num_tokens, salt=i)
+            if other != token_id and all(other != t for t, _ in top):
+                rest /= 2
+                top.append((other, math.log(rest)))
+        return TokenLogprob(token_id, math.log(p), top)
+
+
+def launch_mocker(settings: Settings, worker_id: str, *, profile: str | None = None, speedup: float | None = None,
+                  publish_events: bool = False) -> tuple[Any, Any]:
+    """Start a mocker worker actor (`launch_worker` with the mocker engine and a tiny CPU reservation);
+    returns (actor handle, ObjectRef of its `WorkerInfo`). Ray must be initialized."""
+    from dynserve.workers.worker import launch_worker
+
+    update: dict[str, Any] = {"mocker": profile or settings.mocker or "cpu"}
+    if speedup is not None:
+        update["mocker_speedup"] = speedup
+    return launch_worker(settings.model_copy(update=update), worker_id, publish_events=publish_events)
+
+
+# ---- standalone: one mocker behind our gateway, as an OpenAI-compatible server ---------------------------
+
+_ENGINE_FLAGS = {"model", "block_size", "kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                 "enable_prefix_caching", "seed"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    from dynserve.cli.main import add_settings_group
+
+    parser = argparse.ArgumentParser(
+        prog="python -m dynserve.workers.mocker",
+        description="One simulated worker (real scheduler and prefix cache, profiled step times, no model) "
+                    "behind dynserve's gateway: an OpenAI-compatible server other routers can front.",
+        epilog="The profile defaults to cpu. Engine limits left unset (--kv-blocks, --max-num-seqs, "
+               "--max-num-batched-tokens, --max-model-len) are the profile's. With --redis-url the mocker "
+               "registers there and publishes its KV events, so dynserve's KV router can use it too.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level [default: WARNING]")
+    add_settings_group(parser, "mocker", aliases={"mocker": ["--profile"], "mocker_speedup": ["--speedup"]})
+    add_settings_group(parser, "gateway", aliases={"port": ["--http-port"]})
+    add_settings_group(parser, "engine", only=_ENGINE_FLAGS)
+    add_settings_group(parser, "cluster", only={"redis_url"})
+    return parser
+
+
+async def serve_standalone(settings: Settings) -> None:
+    """Run a mocker worker and the gateway over its channel on this loop until the gateway stops."""
+    from dynserve.gateway.server import make_gateway_app, serve_app_async
+    from dynserve.workers.worker import EngineWorker
+
+    worker = EngineWorker(settings, f"mocker-{os.getpid()}", publish_events=settings.redis_url is not None)
+    info = await worker.start()
+    app = make_gateway_app(settings, [info], worker.engine.tokenizer)
+
+    def on_ready(port: int) -> None:
+        print(f"dynserve mocker ({settings.mocker}, speedup {settings.mocker_speedup:g}) is serving "
+              f"{info.model_id} at http://{settings.host}:{port}/v1. Ctrl-C stops it.",
+              file=sys.stderr, flush=True)
+
+    try:
+        await serve_app_async(app, settings, on_ready)
+    finally:
+        await worker.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dynserve.cli.main import EXIT_USAGE, settings_from
+    from dynserve.errors import InvalidRequestError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = settings_from(args)
+    except InvalidRequestError as exc:
+        print(f"mocker: invalid input: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if settings.mocker is None:
+        settings = settings.model_copy(update={"mocker": "cpu"})
+    import uvloop
+
+    uvloop.run(serve_standalone(settings))  # returns after SIGINT/SIGTERM and a graceful shutdown
+    print("mocker: stopped", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

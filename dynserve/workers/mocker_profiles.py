@@ -1,0 +1,187 @@
+"""Timing profiles for the mocker: how long one engine step takes on some hardware, as data.
+
+A profile is an affine model of one step's wall time in milliseconds:
+
+    step_ms = fixed_ms
+            + prefill_ms_per_token * P + prefill_ms_per_token_context * A
+            + decode_ms_per_seq * B + decode_ms_per_context_token * C
+
+where, over the sequences in the step, P is the number of prompt tokens computed (uncached tokens, prefill
+chunks, recomputes), A the number of (new token, token it attends to) pairs of those prefills, B the number
+of decoding sequences and C their total context. `fixed_ms` is `prefill_fixed_ms` for a prefill-only step,
+`decode_fixed_ms` for a decode-only step and the larger of the two for a mixed one. Each profile also
+carries its KV-cache capacity and scheduler limits, which the mocker uses unless settings override them.
+
+Every number says where it comes from next to it: `cpu` was fitted to our engine measured on this machine
+(`benchmarks/mocker_profile.py`); the H100 profiles are derived from the H100 SXM datasheet and each
+model's shape, with stated efficiency factors, and cross-checked against published measurements.
+
+Invariants: every coefficient is >= 0, so more work never takes less time; profiles are immutable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynserve.errors import InvalidRequestError
+
+__all__ = ["PROFILES", "MockerProfile", "StepWork", "get_profile"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """What one step computes, in the units the profiles price."""
+
+    num_prefill_tokens: int = 0
+    num_prefill_attention_pairs: int = 0
+    num_decode_seqs: int = 0
+    num_decode_context_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MockerProfile:
+    name: str
+    description: str
+    prefill_fixed_ms: float
+    prefill_ms_per_token: float
+    prefill_ms_per_token_context: float
+    decode_fixed_ms: float
+    decode_ms_per_seq: float
+    decode_ms_per_context_token: float
+    kv_bytes_per_token: int  # KV cache bytes one token takes (all layers, all tensor-parallel ranks)
+    kv_cache_gib: float  # KV cache the modelled deployment holds
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def step_time_ms(self, work: StepWork) -> float:
+        """Modelled wall time of one step; 0 for a step that computes nothing."""
+        has_prefill, has_decode = work.num_prefill_tokens > 0, work.num_decode_seqs > 0
+        if not (has_prefill or has_decode):
+            return 0.0
+        fixed_ms = max(self.prefill_fixed_ms if has_prefill else 0.0, self.decode_fixed_ms if has_decode else 0.0)
+        return (fixed_ms
+                + self.prefill_ms_per_token * work.num_prefill_tokens
+                + self.prefill_ms_per_token_context * work.num_prefill_attention_pairs
+                + self.decode_ms_per_seq * work.num_decode_seqs
+                + self.decode_ms_per_context_token * work.num_decode_context_tokens)
+
+    def num_kv_blocks(self, block_size: int) -> int:
+        return max(1, int(self.kv_cache_gib * 2**30) // (self.kv_bytes_per_token * block_size))
+
+
+# ---- cpu: our engine on this machine ------------------------------------------------------------------
+#
+# SmolLM2-135M-Instruct, fp32, ONE torch thread, on this 2-core x86-64 CPU (torch 2.13), measured on
+# 2026-11-22 at commit a427891 with
+#   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.mocker_profile
+# Times are each step's process CPU time: what the step takes on a core of its own. The machine was shared
+# (load average 2-10 during the run), which stretched wall times by up to 2.5x; a worker with 2 threads on a
+# quiet machine is up to about 1.6x faster than this profile. Prefill: one request of n new tokens after k
+# cached, one step, best of 3. Decode: the median of 8 steps of B requests of about L tokens, best of 3.
+#
+#   prefill (k, n) -> ms   (0,16) 206   (0,64) 359   (0,128) 556   (0,256) 965   (0,512) 2020  (0,1024) 4107
+#                          (256,256) 1079   (768,256) 1241   (1792,256) 1735
+#   decode B ->  ms        1     2     4     8     16    32    64
+#            L = 128       96    106   168   225   223   298   477
+#            L = 512       112   108   184   278   236   338   510
+#            L = 1024      102   105   192   241   300   403   665
+#
+# Fit, least squares on relative error: prefill within 5% of every point (rms 2.4%); decode rms 18%, worst
+# 40% (B = 8, L = 512; the measured curve has steps where torch switches kernels, an affine model cannot).
+# Check on a mixed step (16 decodes of L = 512 plus a 256-token prefill): measured 1,108 ms, modelled 1,111.
+CPU = MockerProfile(
+    name="cpu",
+    description="dynserve's engine, SmolLM2-135M-Instruct fp32, 1 thread of this 2-core CPU (measured, fitted)",
+    prefill_fixed_ms=156.6,
+    prefill_ms_per_token=3.048,
+    prefill_ms_per_token_context=0.00155,
+    decode_fixed_ms=106.6,
+    decode_ms_per_seq=5.754,
+    decode_ms_per_context_token=0.00376,
+    kv_bytes_per_token=30 * 2 * 3 * 64 * 4,  # layers x (K, V) x KV heads x head_dim x fp32 = 46,080
+    kv_cache_gib=1.0,  # Settings.kv_cache_gib's default: the same 1,456 blocks of 16 as a real worker
+    max_model_len=8192,
+    max_num_seqs=64,  # Settings defaults
+    max_num_batched_tokens=1024,
+)
+
+# ---- H100 profiles: derived from specs, cross-checked with published figures ----------------------------
+#
+# H100 SXM5 80GB (NVIDIA datasheet): 989 TFLOP/s dense BF16, 3.35 TB/s HBM3. Assumed efficiencies,
+# typical of vLLM-class engines: decode reads weights and KV at 75% of peak bandwidth; prefill and the
+# per-sequence decode math run at 50% of peak tensor throughput.
+#   fixed_ms                    = weight bytes per GPU / (0.75 * 3.35e12 B/s)   (+ all-reduce latency for TP)
+#   *_ms_per_token, _per_seq    = 2 * params FLOP / (num_gpus * 0.5 * 989e12 FLOP/s)
+#   prefill_ms_per_token_context= 4 * layers * (heads * head_dim) FLOP / (num_gpus * 0.5 * 989e12)
+#   decode_ms_per_context_token = KV bytes per token per GPU / (0.75 * 3.35e12)
+# The sum of a memory term and compute terms is an upper bound near the roofline knee (a real GPU overlaps
+# them), by at most fixed_ms. KV capacity: vLLM's default gpu_memory_utilization 0.9 of 79.6 GiB, less the
+# weights and about 4 GiB of activations and CUDA graphs, per GPU. Scheduler limits: vLLM's serving defaults
+# on GPUs with >= 70 GiB other than the A100 (vllm/engine/arg_utils.py, get_batch_defaults): 8192 batched
+# tokens, 1024 sequences.
+
+# Llama-3.1-8B-Instruct, BF16, TP1: 8.03e9 params (16.06 GB), 32 layers, 32 heads x 128, 8 KV heads.
+#   fixed:   16.06e9 / 2.51e12                  = 6.39 ms
+#   token:   2 * 8.03e9 / 4.945e14              = 0.0325 ms  (about 30,800 prefill tokens/s)
+#   pairs:   4 * 32 * 4096 / 4.945e14           = 1.06e-6 ms
+#   context: 131,072 B / 2.51e12                = 5.2e-5 ms
+#   KV:      0.9 * 79.6 - 14.96 - 4             = 52 GiB, 131,072 B per token (about 426k tokens)
+# Cross-checks: vLLM's CI latency test (Llama-3.1-8B TP1 on H200, batch 8, 32 in / 128 out: 833 ms, i.e.
+# 6.5 ms per step; https://buildkite.com/vllm/performance-benchmark/builds/9515) on a GPU with faster memory
+# than the H100's; NVIDIA NIM's published Llama-3.1-8B ITL of 4.4-4.6 ms at concurrency 1, 5.9-7.2 ms at 50
+# (https://docs.nvidia.com/nim/benchmarking/llm/1.0.0/performance, TensorRT-LLM, so below a vLLM BF16 engine).
+LLAMA_8B_H100 = MockerProfile(
+    name="llama-3.1-8b-h100",
+    description="Llama-3.1-8B-Instruct BF16 on one H100 SXM (derived from specs)",
+    prefill_fixed_ms=6.39,
+    prefill_ms_per_token=0.0325,
+    prefill_ms_per_token_context=1.06e-6,
+    decode_fixed_ms=6.39,
+    decode_ms_per_seq=0.0325,
+    decode_ms_per_context_token=5.2e-5,
+    kv_bytes_per_token=32 * 2 * 8 * 128 * 2,
+    kv_cache_gib=52.0,
+    max_model_len=131072,
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+)
+
+# Llama-3.1-70B-Instruct, BF16, TP4: 70.6e9 params (141.1 GB, 35.3 GB per GPU), 80 layers, 64 heads x 128,
+# 8 KV heads (2 per GPU).
+#   fixed:   35.3e9 / 2.51e12 = 14.05 ms, plus 160 all-reduces (2 per layer) x about 9 us = 15.5 ms
+#   token:   2 * 70.6e9 / (4 * 4.945e14) = 0.0714 ms, plus the all-reduced activations of each token
+#            (2 * 80 * 8192 * 2 B = 2.6 MB at about 300 GB/s of NVLink = 0.0087 ms) = 0.080 ms
+#   pairs:   4 * 80 * 8192 / (4 * 4.945e14) = 1.33e-6 ms
+#   context: 327,680 B / 4 GPUs / 2.51e12 = 3.26e-5 ms
+#   KV:      4 * (0.9 * 79.6 - 32.9 - 4) = 138 GiB, 327,680 B per token (about 452k tokens)
+# Cross-checks: vLLM's CI latency test (Llama-3 70B TP4 on H200, batch 8, 32 in / 128 out: 2,078 ms, i.e.
+# 16.2 ms per step; same build as above); NIM 1.3's Llama-3.1-70B ITL of 13.2 ms at concurrency 1 and
+# 17.4 ms at 50 (same NIM page, TensorRT-LLM on H100s): a slope of about 0.086 ms per extra sequence, the
+# size of decode_ms_per_seq plus its context term here.
+LLAMA_70B_H100_TP4 = MockerProfile(
+    name="llama-3.1-70b-h100-tp4",
+    description="Llama-3.1-70B-Instruct BF16 on four H100 SXM, tensor parallel (derived from specs)",
+    prefill_fixed_ms=15.5,
+    prefill_ms_per_token=0.080,
+    prefill_ms_per_token_context=1.33e-6,
+    decode_fixed_ms=15.5,
+    decode_ms_per_seq=0.0714,
+    decode_ms_per_context_token=3.26e-5,
+    kv_bytes_per_token=80 * 2 * 8 * 128 * 2,
+    kv_cache_gib=138.0,
+    max_model_len=131072,
+    max_num_seqs=1024,
+    max_num_batched_tokens=8192,
+)
+
+PROFILES: dict[str, MockerProfile] = {p.name: p for p in (CPU, LLAMA_8B_H100, LLAMA_70B_H100_TP4)}
+
+
+def get_profile(name: str) -> MockerProfile:
+    """The profile called `name`; InvalidRequestError names the known ones."""
+    profile = PROFILES.get(name)
+    if profile is None:
+        raise InvalidRequestError(f"unknown mocker profile {name!r}; known: {', '.join(PROFILES)}",
+                                  param="mocker")
+    return profile

@@ -1,0 +1,311 @@
+"""The mocker as its users meet it: simulated workers that batch, cache prefixes, publish KV events and take
+their profile's time like real ones, without torch; behind our gateway and router, standalone for other
+routers, and from `dynctl serve --mocker`."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from dynserve.config import Settings
+from dynserve.engine.loader import default_model_path
+from dynserve.engine.tokenizer import Tokenizer
+from dynserve.protocol import SamplingParams
+from dynserve.workers.mocker import MockEngine, step_work
+from dynserve.workers.mocker_profiles import CPU, MockerProfile, StepWork
+
+MODEL = "SmolLM2-135M-Instruct"
+SPEEDUP = 10.0
+REPO = Path(__file__).resolve().parent.parent
+SYSTEM = "You are the mocker test's assistant; you answer briefly and never cite anything at all. " * 12
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.load(default_model_path())
+
+
+def _profile(**overrides: float) -> MockerProfile:
+    values: dict[str, Any] = {
+        "prefill_fixed_ms": 20.0, "prefill_ms_per_token": 0.05, "prefill_ms_per_token_context": 0.0,
+        "decode_fixed_ms": 40.0, "decode_ms_per_seq": 2.0, "decode_ms_per_context_token": 0.001}
+    return dataclasses.replace(CPU, **{**values, "name": "test", **overrides})
+
+
+def _engine(tokenizer: Tokenizer, profile: MockerProfile | None = None, **settings: Any) -> MockEngine:
+    return MockEngine(Settings(**{"mocker": "cpu", "kv_blocks": 256, **settings}), tokenizer, profile or _profile())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---- the engine: same contract as the real one, pseudo-random tokens, profiled time ---------------------
+
+
+def test_importing_the_mocker_loads_no_torch() -> None:
+    code = "import dynserve.workers.mocker, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+def test_answers_respect_max_tokens_stop_ids_and_seeds(tokenizer: Tokenizer) -> None:
+    engine = _engine(tokenizer, _profile(prefill_fixed_ms=0, prefill_ms_per_token=0, decode_fixed_ms=0,
+                                         decode_ms_per_seq=0, decode_ms_per_context_token=0))
+    prompt = tokenizer.encode("Tell me about the sea.")
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    first, again = engine.generate([prompt, prompt], greedy)
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 12 and first.finish_reason == "length"
+    assert first.text == tokenizer.decode(first.token_ids)
+    assert not set(first.token_ids) & (tokenizer.special_token_ids | {tokenizer.eos_token_id})
+    stop_id = first.token_ids[4]
+    (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,)))
+    assert stopped.token_ids == first.token_ids[:5] and stopped.finish_reason == "stop"
+    seeded = [SamplingParams(max_tokens=8, seed=s) for s in (1, 1, 2)]
+    one, same, other = engine.generate([prompt] * 3, seeded)
+    assert one.token_ids == same.token_ids != other.token_ids
+    (with_logprobs,) = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+    for token_id, logprob in zip(with_logprobs.token_ids, with_logprobs.logprobs, strict=True):
+        assert logprob.token_id == token_id and logprob.logprob < 0
+        assert logprob.top[0] == (token_id, logprob.logprob)
+        assert len(logprob.top) == 2 and logprob.top[1][1] < logprob.logprob
+    engine.block_manager.check_integrity()
+
+
+def test_step_time_follows_the_profile_and_the_speedup(tokenizer: Tokenizer) -> None:
+    profile = _profile()
+    prompts = [tokenizer.encode(f"Question {i}: " + "why is the sky blue? " * 30) for i in range(4)]
+    assert sum(map(len, prompts)) <= CPU.max_num_batched_tokens  # one prefill step
+    params = SamplingParams(max_tokens=6, temperature=0)
+    # one prefill step of the 4 prompts, then 5 decode steps of 4 sequences
+    prefill = StepWork(num_prefill_tokens=sum(map(len, prompts)))
+    decodes = [StepWork(num_decode_seqs=4, num_decode_context_tokens=sum(len(p) + i for p in prompts))
+               for i in range(1, 6)]
+    expected_s = (profile.step_time_ms(prefill) + sum(map(profile.step_time_ms, decodes))) / 1e3
+    for speedup in (1.0, 4.0):
+        engine = _engine(tokenizer, profile, mocker_speedup=speedup)
+        start = time.monotonic()
+        results = engine.generate(prompts, params)
+        elapsed_s = time.monotonic() - start
+        assert [len(r.token_ids) for r in results] == [6] * 4 and engine.stats.num_steps == 6
+        assert engine.simulated_busy_s == pytest.approx(expected_s / speedup, rel=1e-6)
+        assert expected_s / speedup * 0.95 <= elapsed_s <= expected_s / speedup * 1.5 + 0.05, (speedup, elapsed_s)
+
+
+def test_step_work_counts_uncached_prefill_and_decode_context(tokenizer: Tokenizer) -> None:
+    engine = _engine(tokenizer, max_num_batched_tokens=64)
+    prompt = list(range(1000, 1100))  # 100 tokens: a 64-token chunk, then 36 tokens
+    engine.add_request(prompt, SamplingParams(max_tokens=3, temperature=0))
+    batch = engine.scheduler.schedule()
+    assert step_work(batch) == StepWork(num_prefill_tokens=64, num_prefill_attention_pairs=64 * 65 // 2)
+    engine.scheduler.complete_step(batch)
+    batch = engine.scheduler.schedule()
+    assert step_work(batch) == StepWork(num_prefill_tokens=36, num_prefill_attention_pairs=36 * 64 + 36 * 37 // 2)
+
+
+# ---- mocker actors behind the gateway and the KV router ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mockers(make_mocker: Any) -> list[tuple[Any, Any]]:
+    return [make_mocker(worker_id, mocker_speedup=SPEEDUP) for worker_id in ("m0", "m1")]
+
+
+@pytest.fixture(scope="module")
+def mocker_gateway(mockers: list[tuple[Any, Any]], tokenizer: Tokenizer) -> Iterator[Any]:
+    from dynserve.gateway.server import GatewayServer, make_gateway_app
+
+    settings = Settings(port=0, router="kv")
+    with GatewayServer(make_gateway_app(settings, [info for _, info in mockers], tokenizer), settings) as server:
+        yield server
+
+
+def test_a_mocker_actor_imports_no_torch_and_reserves_a_hundredth_of_a_cpu(mockers: Any) -> None:
+    import ray
+
+    def inside(_worker: Any) -> tuple[bool, dict[str, float]]:
+        import sys as actor_sys
+
+        return "torch" in actor_sys.modules, ray.get_runtime_context().get_assigned_resources()
+
+    has_torch, resources = ray.get(mockers[0][0].__ray_call__.remote(inside), timeout=30)
+    assert not has_torch and resources == {"CPU": 0.01}
+
+
+def test_usage_cached_tokens_and_latency_through_the_kv_router(mocker_gateway: Any, tokenizer: Tokenizer) -> None:
+    client = openai.OpenAI(base_url=f"{mocker_gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    answers = []
+    for question in ("What is a cache?", "What is a router?", "What is a router?"):
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        start = time.monotonic()
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+        answers.append((answer, time.monotonic() - start, messages))
+        time.sleep(0.3)  # the router's index learns of the cached blocks from the workers' KV events
+    for answer, _, messages in answers:
+        assert answer.usage.prompt_tokens == len(tokenizer.encode(tokenizer.apply_chat_template(messages)))
+        assert answer.usage.completion_tokens == 16 and answer.choices[0].finish_reason == "length"
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a, _, _ in answers]
+    system_only = tokenizer.apply_chat_template(answers[0][2][:1], add_generation_prompt=False)
+    num_system = len(tokenizer.encode(system_only))
+    num_repeated = answers[2][0].usage.prompt_tokens
+    # the router sent the shared prefix back to the worker that holds it: every full block of it is a hit
+    # (all but the last token of a repeated prompt, whose logits must be computed)
+    assert cached == [0, cached[1], (num_repeated - 1) // 16 * 16] and cached[1] >= num_system // 16 * 16
+    num_prompt = answers[0][0].usage.prompt_tokens
+    assert answers[1][0].choices[0].message.content == answers[2][0].choices[0].message.content  # greedy
+    # the first request ran alone on an idle mocker: its latency is the profile's prefill and 15 decodes
+    expected_s = (CPU.step_time_ms(StepWork(num_prefill_tokens=num_prompt, num_prefill_attention_pairs=num_prompt
+                                            * (num_prompt + 1) // 2))
+                  + sum(CPU.step_time_ms(StepWork(num_decode_seqs=1, num_decode_context_tokens=num_prompt + i))
+                        for i in range(1, 16))) / 1e3 / SPEEDUP
+    assert expected_s * 0.95 <= answers[0][1] <= expected_s * 2 + 1.0, (answers[0][1], expected_s)
+
+
+def test_kv_events_replay_to_each_mockers_snapshot(mockers: Any, tokenizer: Tokenizer) -> None:
+    """Each mocker's KV events on the embedded plane, replayed, rebuild exactly its snapshot (as a router
+    resyncing from them would), and each mocker is in the registry."""
+    import ray
+
+    from dynserve.events.ray_plane import RayEventPlane
+    from dynserve.protocol import GenerateRequest
+    from dynserve.router.indexer import KVIndex
+    from dynserve.workers.channel import WorkerConnection
+
+    async def fill(info: Any) -> None:  # a prompt of 8+ blocks straight to each mocker, over its channel
+        connection = WorkerConnection(info)
+        await connection.connect()
+        request = GenerateRequest(request_id=f"fill-{info.worker_id}", token_ids=tokenizer.encode(
+            f"{info.worker_id}: {SYSTEM}"), params=SamplingParams(max_tokens=2))
+        assert [d async for d in connection.generate(request)][-1].finished
+        await connection.close()
+
+    async def replay() -> tuple[KVIndex, list[str]]:
+        plane = RayEventPlane()
+        index, cursor = KVIndex(), "0"
+        while True:
+            batches, cursor = await plane.read(cursor, block_s=0.2)
+            if not batches:
+                return index, [w.worker_id for w in await plane.workers()]
+            for batch in batches:
+                assert index.apply(batch.worker_id, batch.events)
+
+    for _, info in mockers:
+        asyncio.run(fill(info))
+    deadline = time.monotonic() + 10
+    while True:
+        snapshots = {info.worker_id: ray.get(handle.kv_snapshot.remote()) for handle, info in mockers}
+        index, registered = asyncio.run(replay())
+        if all(index.last_event_id(wid) == last for wid, (_, last) in snapshots.items()):
+            break
+        assert time.monotonic() < deadline, "published events did not catch up with the snapshots"
+    for worker_id, (hashes, _) in snapshots.items():
+        assert index.worker_blocks(worker_id) == set(hashes) and len(hashes) >= 8
+    assert {"m0", "m1"} <= set(registered)
+
+
+# ---- processes: the standalone server and `dynctl serve --mocker` ----------------------------------------
+
+
+def _wait_for_line(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not any(marker in line for line in lines):
+        assert process.poll() is None, "".join(lines)
+        assert time.monotonic() < deadline, f"no {marker!r} within {timeout_s} s: {''.join(lines)}"
+        lines.append(process.stderr.readline())  # type: ignore[union-attr]
+    return "".join(lines)
+
+
+def _stop(process: subprocess.Popen[str]) -> tuple[int, str]:
+    process.send_signal(signal.SIGINT)
+    try:
+        code = process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    rest = process.stderr.read()  # type: ignore[union-attr]
+    process.stderr.close()  # type: ignore[union-attr]
+    return code, rest
+
+
+def _check_sglang_router_bodies(url: str) -> None:
+    """sglang-router 0.3.2 (cache_aware) forwards requests with SGLang's extension fields at their defaults
+    (bodies captured from it); they are served, and a value dynserve does not implement is a 400 naming it."""
+    sglang = {"no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False}
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "model": MODEL, "logprobs": False,
+            "max_completion_tokens": 5, "stream": False, "continue_final_message": False,
+            "separate_reasoning": True, "stream_reasoning": True, **sglang}
+    completion = {"model": MODEL, "prompt": "Hello there", "max_tokens": 5, "stream": False, "echo": False, **sglang}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        answer = httpx.post(url + path, json=body, timeout=30)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 5, answer.text
+    refused = httpx.post(url + "/v1/completions", json={**completion, "return_hidden_states": True}, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_hidden_states"
+
+
+def test_standalone_mocker_serves_the_openai_client() -> None:
+    command = [sys.executable, "-m", "dynserve.workers.mocker"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DYN_MOCKER_SPEEDUP": str(SPEEDUP)}
+    help_text = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60, env=env,
+                               check=True).stdout
+    for flags, twin in (("--profile", "DYN_MOCKER"), ("--speedup", "DYN_MOCKER_SPEEDUP"),
+                        ("--http-port", "DYN_PORT"), ("--kv-blocks", "DYN_KV_BLOCKS")):
+        assert flags in help_text and f"env: {twin};" in help_text, flags
+    port = _free_port()
+    process = subprocess.Popen([*command, "--profile", "cpu", "--http-port", str(port)], env=env,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        banner = _wait_for_line(process, "is serving", 60)
+        assert f":{port}/v1" in banner and "speedup 10" in banner
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        assert [m.id for m in client.models.list()] == [MODEL]
+        completion = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5)
+        assert completion.usage.completion_tokens == 5 and completion.choices[0].text
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=6, stream=True,
+            stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+        _check_sglang_router_bodies(f"http://127.0.0.1:{port}")
+    finally:
+        code, rest = _stop(process)
+    assert code == 0 and "stopped" in rest
+
+
+def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
+    port = _free_port()
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    dynctl = str(Path(sys.executable).parent / "dynctl")
+    process = subprocess.Popen([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
+                                "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = _wait_for_line(process, '"messages"', 120)
+        assert "2 mocker workers" in banner and "profile cpu" in banner
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"] == ["w0", "w1"]
+    finally:
+        code, rest = _stop(process)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert code == 0 and "stopped" in rest
