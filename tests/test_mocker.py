@@ -264,8 +264,8 @@ def _check_sglang_router_bodies(url: str) -> None:
 def test_standalone_mocker_serves_the_openai_client() -> None:
     command = [sys.executable, "-m", "dynserve.workers.mocker"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DYN_MOCKER_SPEEDUP": str(SPEEDUP)}
-    help_text = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60, env=env,
-                               check=True).stdout
+    help_text = " ".join(subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60,
+                                        env=env, check=True).stdout.split())  # however the terminal wraps it
     for flags, twin in (("--profile", "DYN_MOCKER"), ("--speedup", "DYN_MOCKER_SPEEDUP"),
                         ("--http-port", "DYN_PORT"), ("--kv-blocks", "DYN_KV_BLOCKS")):
         assert flags in help_text and f"env: {twin};" in help_text, flags
