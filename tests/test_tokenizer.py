@@ -426,3 +426,19 @@ def test_pretrained_dir_matches_the_gguf(tokenizer: Tokenizer, hf_tokenizer, tmp
             assert from_dir.encode(text) == tokenizer.encode(text), text
     conversation = CONVERSATIONS["multi_turn"]
     assert from_dir.apply_chat_template(conversation) == tokenizer.apply_chat_template(conversation)
+
+
+def test_encode_by_cached_pieces_equals_encoding_the_whole_text(tokenizer: Tokenizer) -> None:
+    """`encode` splits at added tokens and caches the pieces; the ids must be those of encoding it whole,
+    for rendered chats and for added tokens glued to words, spaces, digits and each other."""
+    rng = random.Random(7)
+    added = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    words = ["hello", " world", "\n", "  ", "123", "é", "system", "user\n", " <|im", "_end|>", "\t", "x"]
+    texts = [tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                            {"role": "user", "content": "What is 12+30?"}],
+                                           add_generation_prompt=True)]
+    for _ in range(300):
+        texts.append("".join(rng.choice(added + words) for _ in range(rng.randint(0, 12))))
+    for text in texts * 2:  # the second round is answered from the piece cache
+        whole = tokenizer._raw.encode(text, add_special_tokens=False).ids
+        assert tokenizer.encode(text) == ([tokenizer.bos_token_id] if tokenizer.add_bos_token else []) + whole, text

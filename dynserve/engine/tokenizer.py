@@ -19,9 +19,11 @@ numpy view per array element and needs seconds for a 49k-token vocabulary.
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import mmap
 import os
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -191,6 +193,10 @@ def _plain_message(message: Any, index: int) -> dict[str, Any]:
 # --- the tokenizer --------------------------------------------------------------------------------------
 
 
+_PIECE_CACHE_SIZE = 4096
+_MAX_CACHED_PIECE_CHARS = 32_768  # longer pieces are encoded each time rather than pinned in the cache
+
+
 @dataclass(frozen=True, slots=True)
 class _SpecialTokens:
     bos_token_id: int | None
@@ -212,6 +218,8 @@ class Tokenizer:
         self._special_ids = frozenset(
             token_id for token_id, added in raw.get_added_tokens_decoder().items() if added.special
         )
+        self._added_split, self._added_ids = _added_token_splitter(raw)
+        self._encode_piece = functools.lru_cache(maxsize=_PIECE_CACHE_SIZE)(self._encode_uncached)
         for name, token_id in (("bos", self.bos_token_id), ("eos", self.eos_token_id)):
             if token_id is not None and not 0 <= token_id < self.vocab_size:
                 message = f"{name}_token_id {token_id} is outside the vocabulary of {self.vocab_size}"
@@ -283,11 +291,32 @@ class Tokenizer:
     # encoding and decoding
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; one BOS in front only when the model's `add_bos_token` says so."""
-        token_ids = self._raw.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token and self.bos_token_id is not None:
-            return [self.bos_token_id, *token_ids]
+        """Token ids of `text`; one BOS in front only when the model's `add_bos_token` says so.
+
+        The tokenizer matches added tokens (`<|im_start|>`, ...) whole before anything else and encodes the
+        text between them independently, so a rendered chat splits at them into pieces that encode alone
+        to the same ids. The pieces are cached: a system prompt or a conversation's earlier turns, which
+        come back with every request, are encoded once. (Tokenizers whose added tokens strip neighbouring
+        whitespace are not split: `_added_split` is None for them.)"""
+        token_ids: list[int] = [self.bos_token_id] if self.add_bos_token and self.bos_token_id is not None else []
+        if self._added_split is None:
+            token_ids += self._raw.encode(text, add_special_tokens=False).ids
+            return token_ids
+        added_ids, encode_piece = self._added_ids, self._encode_piece
+        for piece in self._added_split.split(text):
+            if not piece:
+                continue
+            added = added_ids.get(piece)
+            if added is not None:
+                token_ids.append(added)
+            elif len(piece) <= _MAX_CACHED_PIECE_CHARS:
+                token_ids += encode_piece(piece)
+            else:
+                token_ids += self._raw.encode(piece, add_special_tokens=False).ids
         return token_ids
+
+    def _encode_uncached(self, piece: str) -> tuple[int, ...]:
+        return tuple(self._raw.encode(piece, add_special_tokens=False).ids)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; bytes that do not form valid UTF-8 become U+FFFD."""
@@ -337,6 +366,19 @@ class Tokenizer:
     def _compiled_chat_template(self) -> jinja2.Template:
         assert self.chat_template is not None
         return _compile_chat_template(self.chat_template)
+
+
+def _added_token_splitter(raw: tokenizers.Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
+    """A pattern splitting text at the tokenizer's added tokens (longest first, kept as pieces), and their
+    ids; None when an added token strips whitespace around it or matches only single words, where
+    encoding the pieces apart could differ from encoding the whole."""
+    added = {token.content: token_id for token_id, token in raw.get_added_tokens_decoder().items()}
+    tokens = raw.get_added_tokens_decoder().values()
+    normalizes = raw.normalizer is not None
+    if not added or any(t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizes) for t in tokens):
+        return None, added
+    alternatives = "|".join(re.escape(content) for content in sorted(added, key=len, reverse=True))
+    return re.compile(f"({alternatives})"), added
 
 
 def _added_tokens(

@@ -141,7 +141,11 @@ class CompletionRoutes:
                 async for piece in pieces:
                     last = piece.endswith(DONE)
                     if not exchange.answered:
-                        exchange.start_stream(200, _SSE_HEADERS)
+                        if last:
+                            exchange.start_stream(200, _SSE_HEADERS)
+                        else:
+                            exchange.start_stream(200, _SSE_HEADERS, piece)
+                            continue
                     if last:
                         exchange.end(piece)
                         return

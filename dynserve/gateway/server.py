@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import threading
 from collections.abc import Callable
@@ -68,6 +69,7 @@ async def serve_app_async(app: Gateway, settings: Settings, on_ready: Callable[[
 async def _serve(app: Gateway, settings: Settings, stop: asyncio.Event,
                  on_ready: Callable[[int], None] | None) -> None:
     async with app.lifespan():
+        _settle_garbage_collector()
         server = HttpServer(app, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes)
         port = await server.start()
         if on_ready is not None:
@@ -76,6 +78,15 @@ async def _serve(app: Gateway, settings: Settings, stop: asyncio.Event,
             await stop.wait()
         finally:
             await server.close(grace_s=5.0)
+
+
+def _settle_garbage_collector() -> None:
+    """Move what start-up allocated (modules, the tokenizer, the app) out of the collector's sight and make
+    full collections rarer: a request allocates many short-lived objects, and collections that walk the
+    whole heap each time showed up as a tenth of the gateway's CPU under load."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 class GatewayServer:

@@ -1,0 +1,242 @@
+"""What the front end costs: the gateway with its KV router in front of 2 mockers, against a mocker's own
+HTTP endpoint, in one run.
+
+The mockers (`dynserve.workers.mocker`: the real scheduler, block manager and KV events, no model) run at
+a high speedup, so the model's time is near zero and what is measured is the serving layer itself:
+HTTP, validation, chat template, tokenization, routing, the worker channel, detokenization and SSE.
+
+1. **c32**: the gateway (its own process, `kv` router over the embedded event plane, as `dynctl serve`
+   runs it) in front of 2 mocker workers (Ray actors); `--requests` streamed chat completions (16-token
+   outputs, short distinct prompts) with 32 in flight. Reported: `req_per_s_c32`, `p50_ms_c32`,
+   `p90_ms_c32` (request latency to `[DONE]`), and `cpu_ms_per_request_c32`: the CPU time each process
+   (gateway, each mocker, the client) spent per request, which, unlike wall time, other load on the
+   machine barely moves.
+2. **c1**: 500 requests one after another through the same gateway, and 500 straight to one standalone
+   mocker server (`python -m dynserve.workers.mocker --http-port`, the same mocker behind the same HTTP
+   code in one process). `added_p50_ms_c1` is the difference of the two p50 latencies: what the gateway
+   hop and the router add.
+
+The client keeps one connection per user, encodes every request before the clock starts, and reads a
+streamed response by its chunk framing only (the first few responses of each phase are parsed in full
+and checked: 16 tokens, a usage chunk, `[DONE]`), so its own CPU, which shares this machine's two cores,
+stays small. The last stdout line is the JSON result; a copy goes to `benchmarks/results/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import git_commit, log, machine_info, percentile, write_result
+
+SPEEDUP = 1000.0
+NUM_TOKENS = 16
+CONCURRENCY = 32
+MODEL = "SmolLM2-135M-Instruct"
+_DONE = b"data: [DONE]\n\n"
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _bodies(num: int, seed: int) -> list[bytes]:
+    """Short chat requests, each with its own first words (distinct prompts, as users send)."""
+    return [json.dumps({"model": MODEL, "messages": [{"role": "user", "content": f"Request {seed}-{i}: say hello."}],
+                        "max_tokens": NUM_TOKENS, "stream": True, "stream_options": {"include_usage": True}}).encode()
+            for i in range(num)]
+
+
+class _Client:
+    """One keep-alive HTTP/1.1 connection reading streamed answers by their chunk framing."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> _Client:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        return self
+
+    def request(self, body: bytes) -> bytes:
+        return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n" % len(body)) + body
+
+    async def send(self, request: bytes, check: bool = False) -> float:
+        """Send one request and read its whole answer; returns the seconds it took."""
+        assert self.reader is not None and self.writer is not None
+        start = time.perf_counter()
+        self.writer.write(request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"status {head.splitlines()[0]!r}: {await self.reader.read(500)!r}")
+        body = bytearray()
+        while True:
+            size = int((await self.reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+            piece = await self.reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += piece[:-2]
+        elapsed = time.perf_counter() - start
+        if not body.endswith(_DONE):
+            raise RuntimeError(f"the stream did not end with [DONE]: {bytes(body[-200:])!r}")
+        if check:
+            _check_stream(bytes(body))
+        return elapsed
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _check_stream(body: bytes) -> None:
+    chunks = [json.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+    usage = [c["usage"] for c in chunks if c.get("usage")]
+    if not usage or usage[-1]["completion_tokens"] != NUM_TOKENS:
+        raise RuntimeError(f"expected a usage chunk with {NUM_TOKENS} completion tokens, got {usage}")
+
+
+async def _load(host: str, port: int, bodies: list[bytes], concurrency: int) -> dict[str, Any]:
+    clients = [await _Client(host, port).open() for _ in range(concurrency)]
+    requests = [clients[0].request(b) for b in bodies]
+    for client, request in zip(clients, requests, strict=False):  # each connection warmed, answers checked
+        await client.send(request, check=True)
+    latencies: list[float] = []
+    next_index = 0
+
+    async def user(client: _Client) -> None:
+        nonlocal next_index
+        while next_index < len(requests):
+            index, next_index = next_index, next_index + 1
+            latencies.append(await client.send(requests[index]))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(user(c) for c in clients))
+    wall_s = time.perf_counter() - start
+    for client in clients:
+        await client.close()
+    return {"req_per_s": len(latencies) / wall_s, "wall_s": wall_s,
+            "p50_ms": 1000 * percentile(latencies, 50), "p90_ms": 1000 * percentile(latencies, 90)}
+
+
+def _gateway_process(settings_json: str, infos_bytes: bytes, ray_address: str, ports: Any) -> None:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import msgspec
+    import ray
+
+    from dynserve.config import Settings
+    from dynserve.gateway.server import make_gateway_app, serve_app
+    from dynserve.protocol import WorkerInfo
+
+    ray.init(address=ray_address, log_to_driver=False)  # the embedded event plane lives in Ray
+    settings = Settings.model_validate_json(settings_json)
+    infos = msgspec.msgpack.decode(infos_bytes, type=list[WorkerInfo])
+    serve_app(make_gateway_app(settings, infos), settings, on_ready=ports.put)
+
+
+def _start_standalone_mocker(port: int) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DYN_MOCKER_SPEEDUP": str(SPEEDUP)}
+    process = subprocess.Popen([sys.executable, "-m", "dynserve.workers.mocker", "--profile", "cpu",
+                                "--http-port", str(port)], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return process
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError("the standalone mocker exited") from None
+            time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("the standalone mocker did not start")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.frontend", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="1,000 requests at c32 and 200 at c1 (about a minute)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import msgspec
+    import ray
+    import uvloop
+
+    from dynserve.config import Settings
+    from dynserve.workers.mocker import launch_mocker
+
+    num_c32, num_c1 = (1000, 200) if args.quick else (2000, 500)
+    settings = Settings(mocker="cpu", mocker_speedup=SPEEDUP, router="kv", port=0, seed=args.seed)
+    start = time.perf_counter()
+    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
+    launched = [launch_mocker(settings, f"m{i}", publish_events=True) for i in range(2)]
+    infos = ray.get([ref for _, ref in launched])
+    ports: Any = multiprocessing.get_context("spawn").Queue()
+    gateway = multiprocessing.get_context("spawn").Process(
+        target=_gateway_process, daemon=True,
+        args=(settings.model_dump_json(), msgspec.msgpack.encode(infos), ray.get_runtime_context().gcs_address, ports))
+    gateway.start()
+    direct_port = _free_port()
+    direct = _start_standalone_mocker(direct_port)
+    try:
+        port = ports.get(timeout=120)
+        log(f"2 mockers, gateway and a standalone mocker ready in {time.perf_counter() - start:.1f}s")
+        pids = {"gateway": gateway.pid, "client": os.getpid(),
+                **{f"mocker{i}": ray.get(h.__ray_call__.remote(lambda _self: os.getpid()))
+                   for i, (h, _) in enumerate(launched)}}
+        cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
+        c32 = uvloop.run(_load("127.0.0.1", port, _bodies(num_c32, args.seed), CONCURRENCY))
+        cpu_ms_per_request = {name: round(1000 * (_cpu_s(pid) - cpu_before[name]) / (num_c32 + CONCURRENCY), 3)
+                              for name, pid in pids.items()}
+        log(f"c32 through the gateway: {c32['req_per_s']:.0f} req/s, p50 {c32['p50_ms']:.1f} ms; "
+            f"CPU ms per request: {cpu_ms_per_request}")
+        c1_rounds: dict[str, list[dict[str, Any]]] = {"gateway": [], "direct": []}
+        for round_index in range(2):  # interleaved, so drift in machine speed hits both alike
+            for name, target in (("gateway", port), ("direct", direct_port)):
+                bodies = _bodies(num_c1 // 2, args.seed + 10 * round_index + (name == "direct"))
+                c1_rounds[name].append(uvloop.run(_load("127.0.0.1", target, bodies, 1)))
+        gw_c1 = min(r["p50_ms"] for r in c1_rounds["gateway"])
+        direct_c1 = min(r["p50_ms"] for r in c1_rounds["direct"])
+        log(f"c1: gateway p50 {gw_c1:.2f} ms, direct p50 {direct_c1:.2f} ms")
+    finally:
+        direct.terminate()
+        gateway.terminate()
+        gateway.join(10)
+        direct.wait(10)
+        ray.shutdown()
+    result = {
+        "benchmark": "frontend", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
+        "machine": machine_info(), "mocker_speedup": SPEEDUP, "output_tokens": NUM_TOKENS,
+        "requests_c32": num_c32, "requests_c1": num_c1, "concurrency": CONCURRENCY,
+        "req_per_s_c32": c32["req_per_s"], "cpu_ms_per_request_c32": cpu_ms_per_request, "p50_ms_c32": c32["p50_ms"], "p90_ms_c32": c32["p90_ms"],
+        "p50_ms_c1_gateway": gw_c1, "p50_ms_c1_direct": direct_c1, "added_p50_ms_c1": gw_c1 - direct_c1,
+        "c1_p50_ms_rounds": {k: [r["p50_ms"] for r in v] for k, v in c1_rounds.items()},
+    }
+    write_result("frontend", result, args.output)
+    return result
+
+
+if __name__ == "__main__":
+    main()
