@@ -2,13 +2,15 @@
 several, the gateway routes by `--router`, `kv` by default), and the gateway. With `--mocker PROFILE` the
 workers are mockers (simulated step times, no model; see `dynserve/workers/mocker.py`).
 
-Thin: it starts the parts the library provides, shows progress while the worker loads its model, prints
-where to send requests, and on Ctrl-C (or SIGTERM) stops the gateway, the worker and the Ray instance it
-started, in that order.
+Thin: it starts the parts the library provides (a `WorkerPool`, which replaces a worker that dies, and a
+gateway that follows the pool through the worker registry), shows progress while the workers load their
+model, prints where to send requests, and on Ctrl-C (or SIGTERM) stops the gateway, the workers and the
+Ray instance it started, in that order.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
@@ -40,26 +42,24 @@ def start_ray(settings: Settings) -> bool:
     return True
 
 
-def _wait_for_worker(handle: Any, info_ref: Any, worker_id: str) -> Any:
-    """Wait for the worker's model to load, with a live elapsed-time line on a terminal."""
-    import ray
-    from ray.exceptions import RayActorError, RayTaskError
+async def _start_pool(pool: Any, num_workers: int) -> list[Any]:
+    """Start the pool's workers, with a live elapsed-time line on a terminal while their models load."""
+    from dynserve.errors import PoolError
 
     start_s = time.monotonic()
+    starting = asyncio.ensure_future(pool.start(num_workers))
     interactive = sys.stderr.isatty()
-    while True:
-        ready, _ = ray.wait([info_ref], timeout=0.25)
-        if ready:
-            break
-        if interactive:
-            print(f"\rstarting worker {worker_id}... {time.monotonic() - start_s:4.0f} s",
+    while not starting.done():
+        await asyncio.wait([starting], timeout=0.25)
+        if interactive and not starting.done():
+            print(f"\rstarting {num_workers} worker(s)... {time.monotonic() - start_s:4.0f} s",
                   end="", file=sys.stderr, flush=True)
     if interactive:
         print(file=sys.stderr)
     try:
-        return ray.get(info_ref)
-    except (RayActorError, RayTaskError) as exc:
-        raise ModelLoadError(f"worker {worker_id} failed to start: {exc}") from exc
+        return starting.result()
+    except PoolError as exc:
+        raise ModelLoadError(f"a worker failed to start: {exc}") from exc
 
 
 def _banner(settings: Settings, model_id: str, port: int) -> str:
@@ -79,36 +79,39 @@ def _banner(settings: Settings, model_id: str, port: int) -> str:
 
 
 def serve(settings: Settings) -> int:
-    import ray
+    import uvloop
 
     from dynserve.engine.loader import resolve_model_path
     from dynserve.engine.tokenizer import Tokenizer
-    from dynserve.gateway.app import build_app
-    from dynserve.gateway.backend import WorkerSet
-    from dynserve.gateway.server import make_router, serve_app
-    from dynserve.workers.worker import launch_worker, reserved_cpus
 
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
     started_ray = start_ray(settings)
-    handles = []
     try:
-        # several workers on one host share its cores: each gets its part of the threads
-        threads = settings.num_threads or max(1, (os.cpu_count() or 1) // settings.workers)
-        worker_settings = settings.model_copy(update={"num_threads": threads})
-        launched = [launch_worker(worker_settings, f"w{i}", num_cpus=reserved_cpus(settings),
-                                  publish_events=settings.workers > 1) for i in range(settings.workers)]
-        handles = [handle for handle, _ in launched]
-        infos = [_wait_for_worker(handle, ref, f"w{i}") for i, (handle, ref) in enumerate(launched)]
-        app = build_app(settings, WorkerSet(infos, router=make_router(settings, infos)), tokenizer)
+        uvloop.run(_serve(settings, tokenizer))
+        print("dynserve: stopped", file=sys.stderr)
+        return EXIT_OK
+    finally:
+        if started_ray:
+            import ray
+
+            ray.shutdown()
+
+
+async def _serve(settings: Settings, tokenizer: Any) -> None:
+    """The pool of workers, then the gateway following it through the registry, until SIGINT/SIGTERM."""
+    from dynserve.gateway.server import make_gateway_app, serve_app_async
+    from dynserve.workers.pool import WorkerPool
+
+    # several workers on one host share its cores: each gets its part of the threads
+    threads = settings.num_threads or max(1, (os.cpu_count() or 1) // settings.workers)
+    pool = WorkerPool(settings.model_copy(update={"num_threads": threads}), name="w")
+    try:
+        infos = await _start_pool(pool, settings.workers)
+        app = make_gateway_app(settings, infos, tokenizer, registry=pool.registry)
 
         def on_ready(port: int) -> None:
             print(_banner(settings, infos[0].model_id, port), file=sys.stderr, flush=True)
 
-        serve_app(app, settings, on_ready)  # returns after SIGINT/SIGTERM and a graceful shutdown
-        print("dynserve: stopped", file=sys.stderr)
-        return EXIT_OK
+        await serve_app_async(app, settings, on_ready)  # returns after SIGINT/SIGTERM and a graceful shutdown
     finally:
-        for handle in handles:
-            ray.kill(handle)
-        if started_ray:
-            ray.shutdown()
+        await pool.close()

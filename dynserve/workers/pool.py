@@ -36,7 +36,7 @@ from dynserve.config import Settings
 from dynserve.errors import PoolError
 from dynserve.events.base import EventPlane
 from dynserve.protocol import WorkerInfo
-from dynserve.workers.worker import Role, launch_worker
+from dynserve.workers.worker import Role, launch_worker, reserved_cpus
 
 __all__ = ["Member", "PoolPolicy", "RestartPolicy", "WorkerPool", "worker_resources"]
 
@@ -270,8 +270,8 @@ class WorkerPool:
         import ray
 
         if self._resources is None:
-            self._resources = worker_resources(ray.cluster_resources().get("GPU", 0.0),
-                                               self.settings.worker_num_cpus)
+            num_gpus = 0.0 if self.settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
+            self._resources = worker_resources(num_gpus, reserved_cpus(self.settings))
         try:
             handle, info_ref = launch_worker(self.settings, worker_id, self.role, publish_events=True,
                                              **self._resources)
