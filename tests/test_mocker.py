@@ -304,7 +304,7 @@ def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
-        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"] == ["w0", "w1"]
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"] == ["w-0", "w-1"]
     finally:
         code, rest = _stop(process)
         shutil.rmtree(ray_tmp, ignore_errors=True)
