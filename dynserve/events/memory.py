@@ -41,13 +41,15 @@ class MemoryEventPlane(EventPlane):
                 await asyncio.wait_for(self._changed.wait(), block_s)
             except TimeoutError:
                 return [], str(after)
-        batches = []
-        for seq, batch in self._log:
-            if seq > after:
-                batches.append(batch)
-                after = seq
-                if len(batches) == max_batches:
-                    break
+        # sequence numbers are consecutive, so the first batch after `after` is found by position; a caught-up
+        # reader's position is near the end, where indexing a deque is cheap
+        log, batches = self._log, []
+        for index in range(max(0, after + 1 - log[0][0]), len(log)):
+            seq, batch = log[index]
+            batches.append(batch)
+            after = seq
+            if len(batches) == max_batches:
+                break
         return batches, str(after)
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:

@@ -12,8 +12,12 @@ with it) and every job on the cluster finds the same one. It ends with the clust
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
@@ -26,17 +30,25 @@ DEFAULT_NAMESPACE = "dynserve"
 RAY_NAMESPACE = "dynserve"  # the Ray namespace the plane actors live in, shared by every job
 
 
+_EVENTS = msgspec.msgpack.Decoder(list[KVEvent])
+_BATCHES = msgspec.msgpack.Decoder(list[EventBatch])
+_ENCODER = msgspec.msgpack.Encoder()
+_READ_LINGER_S = 0.005  # after a read that returned events, the next waits this long so batches gather
+
+
 class EventPlaneActor:
-    """A `MemoryEventPlane` behind Ray; every method mirrors `EventPlane`'s."""
+    """A `MemoryEventPlane` behind Ray; every method mirrors `EventPlane`'s. Events cross Ray as MessagePack
+    bytes (one `bytes` argument or result), which Ray passes through without pickling every struct."""
 
     def __init__(self, max_len: int = 100_000) -> None:
         self._plane = MemoryEventPlane(max_len=max_len)
 
-    async def publish(self, worker_id: str, events: list[KVEvent]) -> None:
-        await self._plane.publish(worker_id, events)
+    async def publish(self, worker_id: str, payload: bytes) -> None:
+        await self._plane.publish(worker_id, _EVENTS.decode(payload))
 
-    async def read(self, cursor: str, max_batches: int, block_s: float) -> tuple[list[EventBatch], str]:
-        return await self._plane.read(cursor, max_batches=max_batches, block_s=block_s)
+    async def read(self, cursor: str, max_batches: int, block_s: float) -> tuple[bytes, str]:
+        batches, cursor = await self._plane.read(cursor, max_batches=max_batches, block_s=block_s)
+        return _ENCODER.encode(batches), cursor
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         await self._plane.register(info, ttl_s)
@@ -59,14 +71,24 @@ class RayEventPlane(EventPlane):
             name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
             max_concurrency=1000,
         ).remote()
+        self._last_events_s = 0.0
 
     async def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
         if events:
-            await self._handle.publish.remote(worker_id, list(events))
+            await self._handle.publish.remote(worker_id, _ENCODER.encode(list(events)))
 
     async def read(self, cursor: str, *, max_batches: int = 1000,
                    block_s: float = 1.0) -> tuple[list[EventBatch], str]:
-        return await self._handle.read.remote(cursor, max_batches, block_s)
+        """As `EventPlane.read`; a read right after one that returned events first lingers a few ms, so a
+        consumer kept busy by a stream of events makes one actor call per few batches, not one per batch."""
+        linger_s = self._last_events_s + _READ_LINGER_S - time.monotonic()
+        if linger_s > 0:
+            await asyncio.sleep(linger_s)
+        payload, cursor = await self._handle.read.remote(cursor, max_batches, block_s)
+        batches = _BATCHES.decode(payload)
+        if batches:
+            self._last_events_s = time.monotonic()
+        return batches, cursor
 
     async def register(self, info: WorkerInfo, ttl_s: float) -> None:
         await self._handle.register.remote(info, ttl_s)
