@@ -111,6 +111,7 @@ class EngineWorker:
         # The engine thread runs Python between kernels while holding the GIL; a short switch interval bounds
         # how long the channel's I/O thread waits to move a finished token (the default is 5 ms).
         sys.setswitchinterval(0.0005)
+        _undo_ray_niceness()
         on_cpu = settings.mocker is None and (
             settings.device == "cpu" or (settings.device == "auto" and not _cuda_available()))
         self._settings = settings
@@ -313,6 +314,17 @@ class EngineWorker:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
+
+
+def _undo_ray_niceness() -> None:
+    """Ray starts worker processes at niceness 15, fit for batch tasks; a serving worker's I/O must not wait
+    behind every other process on the host (the engine thread lowers its own priority, `engine_nice`). Puts
+    each thread of this process back to niceness 0 where allowed (it needs CAP_SYS_NICE; without it the
+    worker keeps Ray's niceness)."""
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ():
+        with contextlib.suppress(OSError):
+            if os.getpriority(os.PRIO_PROCESS, int(task)) > 0:
+                os.setpriority(os.PRIO_PROCESS, int(task), 0)
 
 
 def _cuda_available() -> bool:
