@@ -33,7 +33,7 @@ RAY_NAMESPACE = "dynserve"  # the Ray namespace the plane actors live in, shared
 _EVENTS = msgspec.msgpack.Decoder(list[KVEvent])
 _BATCHES = msgspec.msgpack.Decoder(list[EventBatch])
 _ENCODER = msgspec.msgpack.Encoder()
-_READ_LINGER_S = 0.005  # after a read that returned events, the next waits this long so batches gather
+_READ_LINGER_S = 0.02  # after a read that returned events, the next waits this long so batches gather
 
 
 class EventPlaneActor:
