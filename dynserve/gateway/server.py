@@ -34,9 +34,7 @@ def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tok
 def make_router(settings: Settings, infos: list[WorkerInfo]) -> Router | None:
     if len(infos) < 2:
         return None
-    return Router(settings.router, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id),
-                  overlap_weight=settings.overlap_weight, temperature=settings.router_temperature,
-                  seed=settings.seed)
+    return Router.from_settings(settings, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id))
 
 
 def _config(app: FastAPI, settings: Settings) -> uvicorn.Config:
