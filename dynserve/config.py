@@ -59,13 +59,28 @@ class Settings(BaseSettings):
     worker_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each worker",
                                    json_schema_extra=_CLUSTER)
     workers: int = Field(1, ge=1, description="engine workers to start (dynctl serve)", json_schema_extra=_CLUSTER)
-    router: Literal["kv", "round_robin", "random", "least_loaded"] = Field(
-        "kv", description="how the gateway picks a worker: prefix-cache overlap and load, or a baseline",
+    router: Literal["kv", "approximate", "round_robin", "random", "least_loaded"] = Field(
+        "kv", description="how the gateway picks a worker: prefix-cache overlap (from KV events, or "
+        "approximate: from where it sent earlier prompts) and load, or a baseline",
         json_schema_extra=_CLUSTER)
     overlap_weight: float = Field(1.0, ge=0, description="kv router: weight of blocks to prefill against load",
                                   json_schema_extra=_CLUSTER)
     router_temperature: float = Field(0.0, ge=0, description="kv router: 0 picks the cheapest worker, more "
                                       "samples among near-equal ones", json_schema_extra=_CLUSTER)
+    router_hot_spot_ratio: float = Field(
+        1.5, gt=1, description="kv/approximate router: when the busiest candidate has more than this times "
+        "the mean active blocks (and at least router_hot_spot_min_blocks), pick the least loaded whatever it "
+        "caches",
+        json_schema_extra=_CLUSTER)
+    router_hot_spot_min_blocks: int = Field(
+        256, ge=0, description="kv/approximate router: no hot spot while the busiest candidate has fewer "
+        "active blocks than this", json_schema_extra=_CLUSTER)
+    router_approx_ttl_s: float = Field(
+        120.0, gt=0, description="approximate router: forget a prompt's blocks this long after it last "
+        "routed them", json_schema_extra=_CLUSTER)
+    router_approx_max_blocks: int = Field(
+        65536, ge=1, description="approximate router: blocks remembered per worker at most (oldest forgotten "
+        "first)", json_schema_extra=_CLUSTER)
     redis_url: str | None = Field(None, description="event plane and registry on this Redis; default: embedded "
                                   "in Ray", json_schema_extra=_CLUSTER)
     worker_lease_s: float = Field(3.0, gt=0, description="a worker's registry lease; heartbeats every third",

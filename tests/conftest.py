@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+import subprocess
 import tempfile
+import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -145,3 +148,30 @@ def make_mocker(ray_instance: Any) -> Any:
     yield factory
     for handle in handles:
         ray_instance.kill(handle)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """A real redis-server on a free 127.0.0.1 port for the session, stopped by PID at the end."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed (make setup installs it)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                                "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as conn:
+                conn.sendall(b"PING\r\n")
+                if conn.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "redis-server did not start"
+        time.sleep(0.05)
+    yield f"redis://127.0.0.1:{port}/0"
+    process.terminate()
+    process.wait(10)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from dynserve.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from dynserve.router.indexer import KVIndex
+from dynserve.router.indexer import RUN_BLOCKS, KVIndex
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 HASHES = st.integers(min_value=0, max_value=24)
@@ -132,3 +132,78 @@ def test_removing_a_worker_frees_its_bit_for_the_next() -> None:
         index.remove_worker(f"w{i}")
     index.check_integrity()
     assert index.num_blocks == 0 and index._next_bit == 1
+
+
+class MaskWalkIndexMachine(IndexMachine):
+    """The same, with an index that walks the shared masks until one worker is left, then scans its set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = KVIndex(scan_max_workers=1)
+
+
+TestMaskWalkIndexMachine = MaskWalkIndexMachine.TestCase
+TestMaskWalkIndexMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+@given(st.dictionaries(st.sampled_from(WORKERS), st.sets(HASHES, max_size=20), min_size=1),
+       st.lists(HASHES, max_size=12))
+@settings(max_examples=300, deadline=None)
+def test_match_does_not_depend_on_how_it_walks(known: dict[str, set[int]], prompt: list[int]) -> None:
+    """Mask walk, per-worker scan, or a switch between them part-way: the same overlaps."""
+    answers = []
+    for scan_max_workers in range(len(WORKERS) + 1):
+        index = KVIndex(scan_max_workers=scan_max_workers)
+        for worker, blocks in known.items():
+            index.add_blocks(worker, blocks)
+        answers.append(index.match(prompt))
+    assert all(answer == model_match(known, prompt) for answer in answers)
+
+
+def test_blocks_added_and_removed_outside_the_event_numbering() -> None:
+    index = KVIndex()
+    index.add_blocks("a", [1, 2, 3])
+    index.add_blocks("b", [1])
+    index.remove_blocks("a", [3, 99])  # 99 was never held: skipped
+    index.remove_blocks("nobody", [1])
+    assert index.match([1, 2, 3]) == {"a": 2, "b": 1}
+    assert index.last_event_id("a") is None  # events for "a" would still start at 0
+    index.check_integrity()
+
+
+CHAIN_HASHES = st.integers(min_value=0, max_value=120)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["w0", "w1"]), st.booleans(),
+                          st.lists(CHAIN_HASHES, min_size=1, max_size=3 * RUN_BLOCKS)), max_size=12),
+       st.lists(st.lists(CHAIN_HASHES, max_size=3 * RUN_BLOCKS), min_size=1, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_long_runs_stored_removed_and_stored_again_match_like_sets(
+        operations: list[tuple[str, bool, list[int]]], prompts: list[list[int]]) -> None:
+    """Events longer than a run, removals inside runs, hashes stored again in other runs: prompts made of
+    stored stretches (and random ones) still match exactly what a set per worker says."""
+    index = KVIndex(scan_max_workers=0 if len(prompts) % 2 else 8)
+    known: dict[str, set[int]] = {"w0": set(), "w1": set()}
+    stored: list[list[int]] = []
+    for worker, is_store, hashes in operations:
+        if is_store:
+            index.add_blocks(worker, hashes)
+            known[worker] |= set(hashes)
+            stored.append(hashes)
+        else:
+            index.remove_blocks(worker, hashes)
+            known[worker] -= set(hashes)
+        index.check_integrity()
+    for prompt in prompts + [s[:len(s) // 2] + p for s in stored for p in prompts[:1]] + stored:
+        assert index.match(prompt) == model_match({w: b for w, b in known.items() if b}, prompt)
+
+
+def test_runs_left_without_live_blocks_are_dropped_as_they_pile_up() -> None:
+    """A worker that keeps caching and evicting (one event per block) holds a bounded number of runs."""
+    index = KVIndex()
+    for i in range(5000):
+        index.apply("w0", [BlockStored(2 * i, None, [i]), BlockRemoved(2 * i + 1, [i - 10])])
+    index.check_integrity()
+    assert index.num_worker_blocks("w0") == 10 and index.worker_blocks("w0") == set(range(4990, 5000))
+    assert len(index._workers["w0"].runs) <= 2 * 10 + 64 + 1
+    assert index.match([4990, 4991, 7]) == {"w0": 2}

@@ -1,5 +1,7 @@
-"""KV-aware routing with the real model: two worker actors publishing KV events on the embedded event plane,
-gateways routing by prefix overlap or round robin, and a worker killed under the router."""
+"""KV-aware routing with the real model: two worker actors publishing KV events on the embedded event plane
+(and two more on a real Redis), gateways routing by prefix overlap, by their own memory (approximate) or
+round robin, two gateways sharing one event plane, the router's metrics on /metrics, and a worker killed
+under the router."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -23,6 +26,22 @@ def second_worker(ray_instance: Any) -> Iterator[Any]:
     info = ray_instance.get(info_ref, timeout=300)
     yield handle, info
     ray_instance.kill(handle)
+
+
+@pytest.fixture(scope="module")
+def redis_workers(ray_instance: Any, redis_url: str) -> Iterator[list[Any]]:  # noqa: F811
+    """Two more workers, r0 and r1, publishing their KV events on the real Redis (no Ray CPUs reserved:
+    the session's two are taken by w0 and w1); [(handle, info), (handle, info)]."""
+    from dynserve.config import Settings
+    from dynserve.workers.worker import launch_worker
+
+    settings = Settings(dtype="float32", device="cpu", kv_blocks=512, num_threads=2, redis_url=redis_url)
+    launched = [launch_worker(settings, worker_id, num_cpus=0, publish_events=True)
+                for worker_id in ("r0", "r1")]
+    workers = [(handle, ray_instance.get(info_ref, timeout=300)) for handle, info_ref in launched]
+    yield workers
+    for handle, _ in workers:
+        ray_instance.kill(handle)
 
 
 def _chat(gateway: Any, system: str, question: str) -> dict[str, Any]:
@@ -45,6 +64,38 @@ def _wait_for_index(gateway: Any, min_blocks: int) -> None:
         time.sleep(0.02)
 
 
+def _metrics(gateway: Any) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = httpx.get(f"{gateway.url}/metrics", timeout=10).text
+    return {(sample.name, frozenset(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def _sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def _routed_to(gateway: Any) -> dict[str, float]:
+    """Requests the gateway's router sent to each worker, from its /metrics."""
+    return {dict(labels)["worker_id"]: value for (name, labels), value in _metrics(gateway).items()
+            if name == "dynserve_router_routed_requests_total"}
+
+
+def _wait_until_applied(gateway: Any, worker: Any) -> None:
+    """Until the gateway's index has applied every KV event `worker` had published when this was called."""
+    import ray
+
+    handle, info = worker
+    _hashes, last_event_id = ray.get(handle.kv_snapshot.remote(), timeout=30)
+    index = gateway.app.state.workers.router.index
+    deadline = time.monotonic() + 10
+    while last_event_id is not None:
+        applied = index.last_event_id(info.worker_id)
+        if applied is not None and applied >= last_event_id:
+            return
+        assert time.monotonic() < deadline, "the gateway's router did not receive the worker's KV events"
+        time.sleep(0.02)
+
+
 def test_kv_router_sends_a_shared_prefix_back_to_its_worker(make_gateway: Any, worker: Any,
                                                             second_worker: Any) -> None:
     gateway = make_gateway(infos=[worker[1], second_worker[1]], router="kv")
@@ -54,6 +105,54 @@ def test_kv_router_sends_a_shared_prefix_back_to_its_worker(make_gateway: Any, w
     _wait_for_index(gateway, min_blocks=16)
     for question in ("What is a router?", "What is a prefix?"):
         assert _cached(_chat(gateway, system, question)) >= 240
+
+
+def test_approximate_router_remembers_where_a_prefix_went_without_events(make_gateway: Any, worker: Any,
+                                                                        second_worker: Any) -> None:
+    gateway = make_gateway(infos=[worker[1], second_worker[1]], router="approximate")
+    system = "Approximate routing test: no events are read, the router remembers. " * 18
+    first = _chat(gateway, system, "What is memory?")
+    prompt_blocks = first["usage"]["prompt_tokens"] // 16
+    assert prompt_blocks >= 16
+    second = _chat(gateway, system, "What is forgetting?")
+    assert _cached(second) >= 240  # sent where the first went: an engine cache hit
+    samples = _metrics(gateway)
+    assert _sample(samples, "dynserve_router_info", mode="approximate") == 1.0
+    assert sum(_routed_to(gateway).values()) == 2.0
+    # the index is the router's memory (both prompts, sharing the system prompt's blocks), not the events
+    assert prompt_blocks <= _sample(samples, "dynserve_router_index_blocks") <= 2 * prompt_blocks
+    assert _sample(samples, "dynserve_router_index_workers") == 1.0
+    assert _sample(samples, "dynserve_router_overlap_ratio_sum", mode="approximate") > 0.5  # the second pick
+    assert _sample(samples, "dynserve_router_decision_seconds_count", mode="approximate") == 2.0
+    assert _sample(samples, "dynserve_router_event_lag_seconds_count") == 0.0
+
+
+@pytest.mark.parametrize("plane", ["embedded", "redis"])
+def test_two_gateways_on_one_event_plane_route_a_prefix_alike(plane: str, request: pytest.FixtureRequest,
+                                                               make_gateway: Any, worker: Any,
+                                                               second_worker: Any) -> None:
+    """A prefix served through gateway A is routed by gateway B to the same worker, from the events alone.
+    A lists the workers the other way round, so its cold pick is the worker B would pick cold: only the
+    events can send B there."""
+    if plane == "embedded":
+        first, second, overrides = worker, second_worker, {}
+    else:
+        first, second = request.getfixturevalue("redis_workers")
+        overrides = {"redis_url": request.getfixturevalue("redis_url")}
+    gateway_a = make_gateway(infos=[second[1], first[1]], router="kv", **overrides)
+    gateway_b = make_gateway(infos=[first[1], second[1]], router="kv", **overrides)
+    system = f"Consistency across gateways ({plane} plane): both read one event stream. " * 18
+    assert _cached(_chat(gateway_a, system, "Who answers first?")) == 0
+    assert _routed_to(gateway_a) == {second[1].worker_id: 1.0}
+    _wait_until_applied(gateway_b, second)
+    assert _cached(_chat(gateway_b, system, "Who answers second?")) >= 240
+    assert _routed_to(gateway_b) == {second[1].worker_id: 1.0}
+    samples = _metrics(gateway_b)
+    assert _sample(samples, "dynserve_router_info", mode="kv") == 1.0
+    assert _sample(samples, "dynserve_router_event_lag_seconds_count") > 0
+    assert _sample(samples, "dynserve_router_index_workers") >= 1
+    assert _sample(samples, "dynserve_router_index_blocks") >= 16
+    assert _sample(samples, "dynserve_router_overlap_ratio_sum", mode="kv") > 0.8
 
 
 def test_round_robin_alternates_and_ignores_the_cache(make_gateway: Any, worker: Any, second_worker: Any) -> None:

@@ -9,6 +9,7 @@ worker's event ids (see `router.indexer.KVIndex.apply`) and resync from the work
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Sequence
 
 import msgspec
@@ -19,10 +20,13 @@ __all__ = ["EventBatch", "EventPlane"]
 
 
 class EventBatch(msgspec.Struct, array_like=True):
-    """Events one worker published together (one XADD entry)."""
+    """Events one worker published together (one XADD entry). `published_s` is the wall-clock time
+    (`time.time()`, comparable across processes of one host; across hosts only as far as their clocks agree)
+    at which the batch was built for publishing; consumers report their lag from it."""
 
     worker_id: str
     events: list[KVEvent]
+    published_s: float = msgspec.field(default_factory=time.time)
 
 
 class EventPlane(abc.ABC):

@@ -54,6 +54,8 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     workers._on_load = state.metrics.observe_load
     workers._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
     workers._on_retry = state.metrics.retries.inc
+    if workers.router is not None:
+        state.metrics.watch_router(workers.router)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

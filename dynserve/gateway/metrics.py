@@ -2,19 +2,33 @@
 
 Names start `dynserve_`; latencies are histograms in seconds; worker gauges carry `worker_id` and `role`
 and are refreshed from the loads the gateway polls from its workers.
+
+Router metrics (`dynserve_router_*`) come from the gateway's `Router` through its observer hook
+(`watch_router`): the mode in use, the index's size (read at scrape time), KV event lag, decision latency
+(match + select), the chosen worker's overlap ratio, requests routed per worker, and hot-spot picks. A
+gateway with one worker has no router: its router histograms stay empty and `dynserve_router_info` unset.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from dynserve.protocol import WorkerLoad
+
+if TYPE_CHECKING:
+    from dynserve.router.cost import Decision
+    from dynserve.router.router import Router
 
 __all__ = ["GatewayMetrics"]
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                       7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+_DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+_EVENT_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+_RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
 class GatewayMetrics:
@@ -49,6 +63,57 @@ class GatewayMetrics:
                              registry=registry)
         self.worker_up = Gauge("dynserve_worker_up", "1 while the gateway's channel to the worker is open", labels,
                                registry=registry)
+
+        self.router_info = Info("dynserve_router", "The gateway's router: its mode", registry=registry)
+        self.router_index_blocks = Gauge(
+            "dynserve_router_index_blocks", "Distinct KV blocks in the router's index (approximate: memory)",
+            registry=registry)
+        self.router_index_workers = Gauge(
+            "dynserve_router_index_workers", "Workers holding at least one block in the router's index",
+            registry=registry)
+        self.router_event_lag = Histogram(
+            "dynserve_router_event_lag_seconds",
+            "Time from a worker publishing a batch of KV events to the router applying it",
+            buckets=_EVENT_LAG_BUCKETS_S, registry=registry)
+        self.router_decision = Histogram(
+            "dynserve_router_decision_seconds", "Time to pick a worker: prefix match and selection", ["mode"],
+            buckets=_DECISION_BUCKETS_S, registry=registry)
+        self.router_overlap_ratio = Histogram(
+            "dynserve_router_overlap_ratio", "Prompt blocks the chosen worker caches, over prompt blocks",
+            ["mode"], buckets=_RATIO_BUCKETS, registry=registry)
+        self.router_routed = Counter(
+            "dynserve_router_routed_requests", "Requests sent to each worker by the router", ["worker_id"],
+            registry=registry)
+        self.router_hot_spot = Counter(
+            "dynserve_router_hot_spot_picks", "Picks made by the hot-spot guard, not by the cost",
+            registry=registry)
+        self._router_mode = "none"
+
+    def watch_router(self, router: Router) -> None:
+        """Export `router`'s mode and index size, and receive its measurements (sets `router.observer`)."""
+        self._router_mode = router.mode
+        self.router_info.info({"mode": router.mode})
+        self.router_index_blocks.set_function(lambda: router.index_size()[0])
+        self.router_index_workers.set_function(lambda: router.index_size()[1])
+        router.observer = self
+
+    # ---- RouterObserver --------------------------------------------------------------------------------
+
+    def observe_decision(self, decision: Decision, num_prompt_blocks: int | None, decision_s: float) -> None:
+        mode = self._router_mode
+        self.router_decision.labels(mode).observe(decision_s)
+        if num_prompt_blocks:
+            self.router_overlap_ratio.labels(mode).observe(decision.overlap_blocks / num_prompt_blocks)
+        if decision.hot_spot:
+            self.router_hot_spot.inc()
+
+    def observe_routed(self, worker_id: str) -> None:
+        self.router_routed.labels(worker_id).inc()
+
+    def observe_event_lag(self, lag_s: float) -> None:
+        self.router_event_lag.observe(lag_s)
+
+    # ---- workers ---------------------------------------------------------------------------------------
 
     def observe_load(self, load: WorkerLoad) -> None:
         labels = (load.worker_id, load.role)

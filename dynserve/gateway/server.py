@@ -40,9 +40,7 @@ def make_router(settings: Settings, infos: list[WorkerInfo], *, dynamic: bool = 
     """The router for `infos`; None for one fixed worker (or none known), where there is nothing to choose."""
     if not infos or (len(infos) < 2 and not dynamic):
         return None
-    return Router(settings.router, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id),
-                  overlap_weight=settings.overlap_weight, temperature=settings.router_temperature,
-                  seed=settings.seed)
+    return Router.from_settings(settings, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id))
 
 
 def serve_app(app: Gateway, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:

@@ -1,2 +1,3 @@
-"""KV-aware routing: the index of which worker holds which block (`indexer`), and (to come) the cost model
-and selection."""
+"""KV-aware routing: the index of which worker holds which block (`indexer`), the approximate router's memory
+of where it sent prompts (`approx`), the cost model, hot-spot guard and pick as pure functions (`cost`), and
+the `Router` shell that ties them to the gateway and the event plane (`router`)."""

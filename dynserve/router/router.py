@@ -1,11 +1,16 @@
-"""The router: which worker gets a request. Modes:
+"""The router: which worker gets a request. Modes (`ROUTER_MODES`):
 
 - `kv`: hash the prompt's full blocks (the engine's own function, so a router hit is an engine hit), look up
-  each worker's prefix overlap in the `KVIndex`, and pick by `cost.costs`/`cost.select`;
+  each worker's prefix overlap in the `KVIndex` that `consume` keeps current from the workers' KV events,
+  and decide with `cost.choose` (overlap against load, with the hot-spot guard);
+- `approximate`: the same decision, but the overlaps come from the router's own memory of which prompts it
+  sent where (`approx.RouteMemory`, forgotten after a TTL), for deployments without an event plane;
 - `round_robin`, `random`, `least_loaded` (fewest active blocks): baselines that ignore the cache.
 
-Load ("active blocks") counts what this router sent and has not seen finish. `consume` keeps the index current from an event plane and
-resyncs a worker from its snapshot when its event numbers jump.
+Load ("active blocks") counts what this router sent and has not seen finish. `consume` resyncs a worker from
+its snapshot when its event numbers jump. This module is the shell around the pure parts (`cost`,
+`indexer`, `approx`); what it measures (decision time, overlap, event lag, routed requests) goes to a
+`RouterObserver` (the gateway's Prometheus metrics), so the router itself has no metrics dependency.
 """
 
 from __future__ import annotations
@@ -13,35 +18,73 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
-from dynserve.events.base import EventPlane
+from dynserve.events.base import EventBatch, EventPlane
 from dynserve.hashing import hash_blocks
 from dynserve.protocol import KVSnapshot, WorkerLoad
-from dynserve.router.cost import costs, select
+from dynserve.router.approx import RouteMemory
+from dynserve.router.cost import Decision, RoutingPolicy, choose
 from dynserve.router.indexer import KVIndex
 
-__all__ = ["ROUTER_MODES", "Router"]
+if TYPE_CHECKING:
+    from dynserve.config import Settings
+
+__all__ = ["ROUTER_MODES", "Router", "RouterMode", "RouterObserver"]
 
 logger = logging.getLogger(__name__)
 
-RouterMode = Literal["kv", "round_robin", "random", "least_loaded"]
-ROUTER_MODES: tuple[str, ...] = ("kv", "round_robin", "random", "least_loaded")
+RouterMode = Literal["kv", "approximate", "round_robin", "random", "least_loaded"]
+ROUTER_MODES: tuple[str, ...] = ("kv", "approximate", "round_robin", "random", "least_loaded")
+CACHE_AWARE_MODES: frozenset[str] = frozenset({"kv", "approximate"})
+
+
+class RouterObserver(Protocol):
+    """Receives what the router measures; every method must be cheap and must not raise."""
+
+    def observe_decision(self, decision: Decision, num_prompt_blocks: int | None, decision_s: float) -> None:
+        """A pick; `num_prompt_blocks` is None in the modes that do not hash the prompt."""
+
+    def observe_routed(self, worker_id: str) -> None:
+        """A request was sent to `worker_id` (one per attempt, retries included)."""
+
+    def observe_event_lag(self, lag_s: float) -> None:
+        """A batch of KV events was applied `lag_s` after its worker published it."""
 
 
 class Router:
     def __init__(self, mode: RouterMode, *, block_size: int, salt: int, overlap_weight: float = 1.0,
-                 temperature: float = 0.0, seed: int = 0) -> None:
+                 temperature: float = 0.0, seed: int = 0, hot_spot_ratio: float = 1.5,
+                 hot_spot_min_blocks: int = 256, approx_ttl_s: float = 120.0, approx_max_blocks: int = 65_536,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock` times the approximate memory's TTL (tests pass a fake one)."""
         if mode not in ROUTER_MODES:
             raise ValueError(f"unknown router mode {mode!r}; choose one of {', '.join(ROUTER_MODES)}")
         self.mode, self.block_size, self.salt = mode, block_size, salt
-        self.overlap_weight, self.temperature = overlap_weight, temperature
-        self.index = KVIndex()
+        self.policy = RoutingPolicy(overlap_weight=overlap_weight, temperature=temperature,
+                                    hot_spot_ratio=hot_spot_ratio, hot_spot_min_blocks=hot_spot_min_blocks)
+        self.memory: RouteMemory | None = None
+        if mode == "approximate":
+            self.memory = RouteMemory(ttl_s=approx_ttl_s, max_blocks_per_worker=approx_max_blocks)
+        # kv: fed by events; approximate: the memory's own index (what it remembers routing)
+        self.index: KVIndex = self.memory.index if self.memory is not None else KVIndex()
+        self.observer: RouterObserver | None = None
+        self._clock = clock
         self._rng = random.Random(seed)
         self._turn = itertools.count()
         self._inflight: dict[str, tuple[str, int]] = {}  # request id -> (worker, blocks)
         self._active: dict[str, int] = {}
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, block_size: int, salt: int) -> Router:
+        return cls(settings.router, block_size=block_size, salt=salt, overlap_weight=settings.overlap_weight,
+                   temperature=settings.router_temperature, seed=settings.seed,
+                   hot_spot_ratio=settings.router_hot_spot_ratio,
+                   hot_spot_min_blocks=settings.router_hot_spot_min_blocks,
+                   approx_ttl_s=settings.router_approx_ttl_s,
+                   approx_max_blocks=settings.router_approx_max_blocks)
 
     # ---- decisions -------------------------------------------------------------------------------------
 
@@ -51,21 +94,39 @@ class Router:
         # Load is what this router sent and has not seen finish. Worker reports (`loads`) are polled and
         # stale by up to a poll interval, which is longer than most decisions care about: they break ties
         # only. (With several gateways sharing workers, a fresher shared signal is still to come.)
-        active = {w: self._active.get(w, 0) for w in candidates}
+        if self.mode in CACHE_AWARE_MODES:
+            return self._pick_by_cache(token_ids, candidates)
+        start_s = time.perf_counter()
         if self.mode == "round_robin":
-            return candidates[next(self._turn) % len(candidates)], 0
-        if self.mode == "random":
-            return self._rng.choice(list(candidates)), 0
-        if self.mode == "least_loaded":
-            return min(candidates, key=lambda w: (active[w], loads[w].num_running if w in loads else 0)), 0
+            chosen = candidates[next(self._turn) % len(candidates)]
+        elif self.mode == "random":
+            chosen = self._rng.choice(list(candidates))
+        else:  # least_loaded
+            active = self._active
+            chosen = min(candidates,
+                         key=lambda w: (active.get(w, 0), loads[w].num_running if w in loads else 0))
+        if self.observer is not None:
+            self.observer.observe_decision(Decision(chosen, 0), None, time.perf_counter() - start_s)
+        return chosen, 0
+
+    def _pick_by_cache(self, token_ids: Sequence[int], candidates: Sequence[str]) -> tuple[str, int]:
         hashes = hash_blocks(token_ids, self.block_size, self.salt)
-        overlaps = self.index.match(hashes)
-        chosen = select(costs(len(hashes), overlaps, active, self.overlap_weight), self.temperature, self._rng)
-        return chosen, overlaps.get(chosen, 0)
+        now_s = self._clock() if self.memory is not None else 0.0
+        start_s = time.perf_counter()
+        overlaps = self.memory.match(hashes, now_s) if self.memory is not None else self.index.match(hashes)
+        decision = choose(len(hashes), overlaps, candidates, self._active, self.policy, self._rng)
+        decision_s = time.perf_counter() - start_s
+        if self.memory is not None:
+            self.memory.remember(decision.worker_id, hashes, now_s)
+        if self.observer is not None:
+            self.observer.observe_decision(decision, len(hashes), decision_s)
+        return decision.worker_id, decision.overlap_blocks
 
     def routed(self, request_id: str, worker_id: str, num_blocks: int) -> None:
         self._inflight[request_id] = (worker_id, num_blocks)
         self._active[worker_id] = self._active.get(worker_id, 0) + num_blocks
+        if self.observer is not None:
+            self.observer.observe_routed(worker_id)
 
     def finished(self, request_id: str) -> None:
         entry = self._inflight.pop(request_id, None)
@@ -74,7 +135,17 @@ class Router:
             self._active[worker_id] = self._active.get(worker_id, 0) - num_blocks
 
     def forget_worker(self, worker_id: str) -> None:
-        self.index.remove_worker(worker_id)
+        if self.memory is not None:
+            self.memory.forget_worker(worker_id)
+        else:
+            self.index.remove_worker(worker_id)
+
+    def index_size(self) -> tuple[int, int]:
+        """(distinct blocks, workers) the router's index knows now; in approximate mode expired blocks are
+        dropped first, so call it from the thread that routes."""
+        if self.memory is not None:
+            self.memory.expire(self._clock())
+        return self.index.num_blocks, sum(1 for w in self.index.worker_ids if self.index.num_worker_blocks(w))
 
     # ---- keeping the index current ---------------------------------------------------------------------
 
@@ -84,14 +155,19 @@ class Router:
         while True:
             batches, cursor = await plane.read(cursor, block_s=1.0)
             for batch in batches:
-                if self.index.apply(batch.worker_id, batch.events):
-                    continue
-                try:
-                    state = await snapshot(batch.worker_id)
-                except Exception as exc:  # the worker is gone or unreachable: forget what it held
-                    logger.warning("router: no snapshot from %s (%s); dropping it from the index",
-                                   batch.worker_id, exc)
-                    self.index.remove_worker(batch.worker_id)
-                    continue
-                self.index.resync(batch.worker_id, state.block_hashes, state.last_event_id)
-                self.index.apply(batch.worker_id, batch.events)  # what is newer than the snapshot
+                await self._apply(batch, snapshot)
+                if self.observer is not None:
+                    self.observer.observe_event_lag(max(0.0, time.time() - batch.published_s))
+
+    async def _apply(self, batch: EventBatch, snapshot: Callable[[str], Awaitable[KVSnapshot]]) -> None:
+        if self.index.apply(batch.worker_id, batch.events):
+            return
+        try:
+            state = await snapshot(batch.worker_id)
+        except Exception as exc:  # the worker is gone or unreachable: forget what it held
+            logger.warning("router: no snapshot from %s (%s); dropping it from the index",
+                           batch.worker_id, exc)
+            self.index.remove_worker(batch.worker_id)
+            return
+        self.index.resync(batch.worker_id, state.block_hashes, state.last_event_id)
+        self.index.apply(batch.worker_id, batch.events)  # what is newer than the snapshot
