@@ -22,7 +22,7 @@ def second_worker(ray_instance: Any) -> Iterator[Any]:
     from dynserve.workers.worker import launch_worker
 
     settings = Settings(dtype="float32", device="cpu", kv_blocks=512, num_threads=2)
-    handle, info_ref = launch_worker(settings, "w1", num_cpus=1, publish_events=True)
+    handle, info_ref = launch_worker(settings, "w1", num_cpus=0, publish_events=True)
     info = ray_instance.get(info_ref, timeout=300)
     yield handle, info
     ray_instance.kill(handle)
