@@ -20,6 +20,7 @@ _GATEWAY: dict[str, Any] = {"group": "gateway"}
 _CLUSTER: dict[str, Any] = {"group": "cluster"}
 _POOL: dict[str, Any] = {"group": "pool"}
 _MOCKER: dict[str, Any] = {"group": "mocker"}
+_TRANSFER: dict[str, Any] = {"group": "transfer"}
 
 
 class Settings(BaseSettings):
@@ -115,6 +116,30 @@ class Settings(BaseSettings):
     mocker_speedup: float = Field(1.0, gt=0, description="mocker: run this many times faster than the profile",
                                   json_schema_extra=_MOCKER)
 
+    # ---- KV-page transfer (dynserve.kv_transfer) ----
+    transfer_backend: Literal["auto", "nixl", "tcp"] = Field(
+        "auto", description="how workers move KV pages: NIXL (UCX; RDMA/NVLink/cuda_ipc where present, "
+        "cma on one host), a plain TCP stream, or 'auto' (NIXL when it imports)", json_schema_extra=_TRANSFER)
+    transfer_timeout_s: float = Field(10.0, gt=0, description="a KV read that takes longer fails (the decode "
+                                      "worker then prefills locally)", json_schema_extra=_TRANSFER)
+    transfer_ucx_tls: str | None = Field(None, description="nixl: UCX transports, set as UCX_TLS unless that is "
+                                         "already set (one CPU host: 'cma,tcp,self'); default: UCX's choice",
+                                         json_schema_extra=_TRANSFER)
+    transfer_ucx_net_devices: str | None = Field(None, description="nixl: UCX network devices, set as "
+                                                 "UCX_NET_DEVICES unless already set (one host: 'lo'); "
+                                                 "default: UCX's choice", json_schema_extra=_TRANSFER)
+    transfer_progress_thread: bool = Field(False, description="nixl: run NIXL's own UCX progress thread (it "
+                                           "polls without pause: on a few CPU cores it halves read bandwidth); "
+                                           "off, the connector progresses UCX every transfer_progress_interval_s",
+                                           json_schema_extra=_TRANSFER)
+    transfer_progress_interval_s: float = Field(0.005, gt=0, description="nixl: how often the connector "
+                                                "progresses UCX for peers' connections and notifications when "
+                                                "NIXL's progress thread is off", json_schema_extra=_TRANSFER)
+    transfer_host: str = Field("127.0.0.1", description="tcp: the address a worker serves its KV pages on "
+                               "and tells peers", json_schema_extra=_TRANSFER)
+    transfer_port: int = Field(0, ge=0, le=65535, description="tcp: the port it serves them on (0: any free "
+                               "port)", json_schema_extra=_TRANSFER)
+
     @field_validator("mocker")
     @classmethod
     def _known_profile(cls, name: str | None) -> str | None:
@@ -128,7 +153,7 @@ class Settings(BaseSettings):
 
     @classmethod
     def field_names(cls, group: str) -> list[str]:
-        """Names of the fields in `group` ("engine", "gateway", "cluster", "pool" or "mocker")."""
+        """Names of the fields in `group` ("engine", "gateway", "cluster", "pool", "mocker" or "transfer")."""
         return [name for name, f in cls.model_fields.items()
                 if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]
 

@@ -8,7 +8,9 @@
     ├── WorkerError             a worker cannot take or finish a request (not the user's fault)
     │   ├── WorkerUnavailableError  its channel is closed or it is stopping: retry elsewhere
     │   └── ChannelError            a malformed frame on a worker channel
-    └── PoolError               a worker pool cannot do what was asked (unknown worker, a failed start)
+    ├── PoolError               a worker pool cannot do what was asked (unknown worker, a failed start)
+    └── KVTransferError         a KV-page transfer (or its setup: registration, a peer) failed
+        └── KVTransferTimeoutError  a read did not finish within its deadline
 
 Each error carries structured fields next to its message so callers (the gateway, the CLI) can map it
 to a status code or exit code without parsing strings.
@@ -20,6 +22,8 @@ __all__ = [
     "CacheCapacityError",
     "DynserveError",
     "InvalidRequestError",
+    "KVTransferError",
+    "KVTransferTimeoutError",
     "ModelLoadError",
     "ChannelError",
     "PoolError",
@@ -83,3 +87,29 @@ class PoolError(DynserveError):
         super().__init__(message)
         self.pool = pool
         self.worker_id = worker_id
+
+
+class KVTransferError(DynserveError):
+    """A KV-page transfer failed: `backend` ("nixl" or "tcp") names the transport, `peer` the remote agent
+    (None for local setup such as registering the cache), `num_blocks` how many blocks the read asked for
+    (0 outside a read). The decode worker answers it by prefilling locally; the request never fails for it.
+    After it, the local blocks named in the read hold undefined data."""
+
+    def __init__(self, message: str, *, backend: str, peer: str | None = None, num_blocks: int = 0) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.peer = peer
+        self.num_blocks = num_blocks
+
+
+class KVTransferTimeoutError(KVTransferError):
+    """A read did not finish within `timeout_s` (it gave up after `elapsed_s`). `cancelled` is False when the
+    backend could not cancel the read in flight: the local blocks may still be written until the connector
+    is closed, so they must not be reused before then."""
+
+    def __init__(self, message: str, *, backend: str, peer: str | None, num_blocks: int, timeout_s: float,
+                 elapsed_s: float, cancelled: bool) -> None:
+        super().__init__(message, backend=backend, peer=peer, num_blocks=num_blocks)
+        self.timeout_s = timeout_s
+        self.elapsed_s = elapsed_s
+        self.cancelled = cancelled

@@ -1,0 +1,282 @@
+"""The TCP backend, for machines without NIXL: each agent serves its registered cache's bytes on a socket,
+and a reader asks for regions and receives them straight into its own cache.
+
+It owns a listening socket with one server thread per accepted connection, a client connection per peer,
+and an inbox of received notifications. Frames are a 4-byte big-endian length and a msgpack body; a read
+is one `_ReadRequest` (the coalesced runs as byte regions), answered by a `_ReadReply` header and then the
+regions' raw bytes in order, sent from and received into the tensors' memory without extra Python copies
+(a CUDA cache is staged through host memory).
+
+Invariants: a server only sends bytes inside its registered cache (requests outside it get an error reply);
+a client connection that saw any error or timeout is closed and dropped, so a later read never consumes a
+stale reply; nothing writes to the local cache after `_read` returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import torch
+
+from dynserve.config import Settings
+from dynserve.errors import KVTransferError
+from dynserve.kv_transfer.connector import KVConnector, ReadPlan
+from dynserve.kv_transfer.descriptors import KVLayout, Notification, TcpAgentMetadata
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+__all__ = ["TcpConnector"]
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">I")
+_MAX_FRAME_BYTES = 16 * 2**20  # a control frame; the bytes of a read follow their header unframed
+
+
+class _ReadRequest(msgspec.Struct, tag="read", array_like=True):
+    regions: list[tuple[int, int]]  # (offset_bytes, size_bytes) in the server's cache
+
+
+class _NotifyRequest(msgspec.Struct, tag="notify", array_like=True):
+    sender: str
+    message: bytes
+
+
+class _ReadReply(msgspec.Struct, array_like=True):
+    size_bytes: int
+    error: str | None = None
+
+
+_REQUEST = msgspec.msgpack.Decoder(_ReadRequest | _NotifyRequest)
+_REPLY = msgspec.msgpack.Decoder(_ReadReply)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _send_frame(sock: socket.socket, message: msgspec.Struct) -> None:
+    body = _ENCODER.encode(message)
+    sock.sendall(_HEADER.pack(len(body)) + body)
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill `view` from the socket; ConnectionError when the peer closes first."""
+    received = 0
+    while received < len(view):
+        count = sock.recv_into(view[received:])
+        if count == 0:
+            raise ConnectionError("the peer closed the connection")
+        received += count
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    header = bytearray(_HEADER.size)
+    _recv_exact(sock, memoryview(header))
+    (size,) = _HEADER.unpack(header)
+    if size > _MAX_FRAME_BYTES:
+        raise ConnectionError(f"a {size}-byte frame is over the limit")
+    body = bytearray(size)
+    _recv_exact(sock, memoryview(body))
+    return bytes(body)
+
+
+def _host_view(region: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU uint8 tensor, sharing its memory."""
+    return memoryview(region.numpy()).cast("B")
+
+
+class _PageServer:
+    """Serves one cache's bytes to readers and collects the notifications they send."""
+
+    def __init__(self, kv_bytes: torch.Tensor, host: str, port: int, inbox: collections.deque[Notification]):
+        self._kv_bytes = kv_bytes
+        self._inbox = inbox
+        self._listener = socket.create_server((host, port))
+        self.host, self.port = self._listener.getsockname()[:2]
+        self._connections: set[socket.socket] = set()
+        self._threads: list[threading.Thread] = []
+        self._guard = threading.Lock()
+        self._stopping = False
+        self._start(self._accept_loop, "accept")
+
+    def _start(self, target: Callable[..., None], what: str, *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, name=f"kv-tcp-{what}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # the listener was closed
+            with self._guard:
+                if self._stopping:
+                    conn.close()
+                    return
+                self._connections.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()]
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._start(self._serve, "serve", conn)
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while True:
+                request = _REQUEST.decode(_recv_frame(conn))
+                if isinstance(request, _NotifyRequest):
+                    self._inbox.append(Notification(request.sender, request.message))
+                else:
+                    self._send_regions(conn, request.regions)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            pass  # the reader left or spoke nonsense: drop the connection
+        finally:
+            with self._guard:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _send_regions(self, conn: socket.socket, regions: list[tuple[int, int]]) -> None:
+        limit = self._kv_bytes.numel()
+        if any(offset < 0 or size < 1 or offset + size > limit for offset, size in regions):
+            _send_frame(conn, _ReadReply(0, error="a region lies outside the registered cache"))
+            return
+        _send_frame(conn, _ReadReply(sum(size for _, size in regions)))
+        for offset, size in regions:
+            region = self._kv_bytes[offset : offset + size]
+            conn.sendall(_host_view(region if region.device.type == "cpu" else region.cpu()))
+
+    def close(self) -> None:
+        with self._guard:
+            self._stopping = True
+            connections = list(self._connections)
+        for sock in (self._listener, *connections):  # shutdown wakes a thread blocked in accept or recv
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._listener.close()
+        with self._guard:
+            threads = [t for t in self._threads if t is not threading.current_thread()]
+        for thread in threads:
+            thread.join(timeout=5)
+            if thread.is_alive():
+                logger.warning("a KV page server thread did not stop")
+
+
+class TcpConnector(KVConnector):
+    backend = "tcp"
+    metadata_type = TcpAgentMetadata
+
+    def __init__(self, agent_name: str, settings: Settings) -> None:
+        super().__init__(agent_name, settings)
+        self._kv_bytes: torch.Tensor | None = None
+        self._server: _PageServer | None = None
+        self._inbox: collections.deque[Notification] = collections.deque()
+        self._peer_metadata: dict[str, TcpAgentMetadata] = {}
+        self._connections: dict[str, socket.socket] = {}
+
+    def _register(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
+        kv_bytes = kv_cache.view(-1).view(torch.uint8)
+        try:
+            self._server = _PageServer(kv_bytes, self.settings.transfer_host, self.settings.transfer_port,
+                                       self._inbox)
+        except OSError as exc:
+            raise KVTransferError(f"cannot serve KV pages on {self.settings.transfer_host}:"
+                                  f"{self.settings.transfer_port}: {exc}", backend=self.backend) from exc
+        self._kv_bytes = kv_bytes
+
+    def _metadata(self, layout: KVLayout) -> TcpAgentMetadata:
+        assert self._server is not None
+        return TcpAgentMetadata(agent_name=self.agent_name, layout=layout, host=self._server.host,
+                                port=self._server.port)
+
+    def _add_peer(self, peer: TcpAgentMetadata) -> None:  # type: ignore[override]
+        self._peer_metadata[peer.agent_name] = peer  # connects lazily, on the first read or notification
+
+    def _remove_peer(self, peer: str) -> None:
+        self._peer_metadata.pop(peer, None)
+        self._disconnect(peer)
+
+    def _disconnect(self, peer: str) -> None:
+        conn = self._connections.pop(peer, None)
+        if conn is not None:
+            conn.close()
+
+    def _connection(self, peer: str, deadline_s: float) -> socket.socket:
+        conn = self._connections.get(peer)
+        if conn is None:
+            meta = self._peer_metadata[peer]
+            timeout_s = max(deadline_s - time.monotonic(), 1e-3)
+            conn = socket.create_connection((meta.host, meta.port), timeout=timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._connections[peer] = conn
+        conn.settimeout(max(deadline_s - time.monotonic(), 1e-3))
+        return conn
+
+    def _read(self, plan: ReadPlan) -> None:
+        assert self._layout is not None and self._kv_bytes is not None
+        block_bytes = self._layout.block_size_bytes
+        regions = [(r.remote_offset_bytes(block_bytes), r.size_bytes(block_bytes)) for r in plan.runs]
+        try:
+            conn = self._connection(plan.peer, plan.deadline_s)
+            _send_frame(conn, _ReadRequest(regions))
+            reply = _REPLY.decode(self._recv_frame_by(conn, plan.deadline_s))
+            if reply.error is not None:
+                raise self._error(f"{plan.peer!r} refused the read: {reply.error}", plan)
+            if reply.size_bytes != sum(size for _, size in regions):
+                raise self._error(f"{plan.peer!r} announced {reply.size_bytes} bytes", plan)
+            for target, staged in self._landing_regions(plan, block_bytes):
+                conn.settimeout(max(plan.deadline_s - time.monotonic(), 1e-3))
+                _recv_exact(conn, _host_view(staged))
+                if staged is not target:
+                    target.copy_(staged)
+        except TimeoutError:
+            self._disconnect(plan.peer)
+            raise self._timeout(plan, cancelled=True) from None
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._disconnect(plan.peer)
+            raise self._error(f"reading from {plan.peer!r} failed: {exc!r}", plan) from exc
+        except KVTransferError:
+            self._disconnect(plan.peer)
+            raise
+
+    def _recv_frame_by(self, conn: socket.socket, deadline_s: float) -> bytes:
+        conn.settimeout(max(deadline_s - time.monotonic(), 1e-3))
+        return _recv_frame(conn)
+
+    def _landing_regions(self, plan: ReadPlan,
+                         block_bytes: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(local region, where its bytes land) per run: the region itself on CPU, else host memory."""
+        assert self._kv_bytes is not None
+        for run in plan.runs:
+            offset = run.local_offset_bytes(block_bytes)
+            target = self._kv_bytes[offset : offset + run.size_bytes(block_bytes)]
+            yield target, target if target.device.type == "cpu" else torch.empty_like(target, device="cpu")
+
+    def _notify(self, peer: str, message: bytes) -> None:
+        try:
+            conn = self._connection(peer, time.monotonic() + self.settings.transfer_timeout_s)
+            _send_frame(conn, _NotifyRequest(self.agent_name, message))
+        except OSError as exc:
+            self._disconnect(peer)
+            raise KVTransferError(f"notifying {peer!r} failed: {exc!r}", backend=self.backend,
+                                  peer=peer) from exc
+
+    def _take_notifications(self) -> list[Notification]:
+        taken = []
+        while self._inbox:
+            taken.append(self._inbox.popleft())
+        return taken
+
+    def _close(self) -> None:
+        for peer in list(self._connections):
+            self._disconnect(peer)
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._kv_bytes = None
