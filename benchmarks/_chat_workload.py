@@ -18,14 +18,17 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks._common import percentile
-from benchmarks._http import RawConnection
+from benchmarks._http import HttpError, RawConnection
 
 __all__ = ["ChatWorkload", "TurnResult", "make_chat_workload", "play", "summarize"]
 
+_MAX_RETRIES = 3
+_RETRY_DELAY_S = 0.1
 _WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
     "government company number group problem fact be have do say get make go know take see come think look "
@@ -94,6 +97,7 @@ class _Player:
     model: str
     path: str = "/v1/chat/completions"
     results: list[TurnResult] = field(default_factory=list)
+    num_retries: int = 0
 
     async def conversation(self, index: int, conv: Conversation, workload: ChatWorkload, t0: float) -> None:
         await asyncio.sleep(max(0.0, t0 + conv.start_s - time.monotonic()))
@@ -102,55 +106,90 @@ class _Player:
         try:
             for turn, user in enumerate(conv.user_turns):
                 messages.append({"role": "user", "content": user})
-                answer, result = await self._turn(conn, messages, conv.max_tokens[turn], index, turn)
+                body = json.dumps({"model": self.model, "messages": messages,
+                                   "max_tokens": conv.max_tokens[turn], "temperature": 0, "ignore_eos": True,
+                                   "stream": True, "stream_options": {"include_usage": True}}).encode()
+                conn, answer, result = await self._turn(conn, body, index, turn)
                 self.results.append(result)
                 messages.append({"role": "assistant", "content": answer})
                 await asyncio.sleep(conv.think_s[turn])
         finally:
             await conn.close()
 
-    async def _turn(self, conn: RawConnection, messages: list[dict[str, str]], max_tokens: int, index: int,
-                    turn: int) -> tuple[str, TurnResult]:
-        body = json.dumps({"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-        sent_s, events = await conn.post_events(conn.request_bytes(self.path, body))
-        first_s, usage, parts = None, None, []
-        async for data in events:
-            if data == b"[DONE]":
+    async def _turn(self, conn: RawConnection, body: bytes, index: int,
+                    turn: int) -> tuple[RawConnection, str, TurnResult]:
+        """One turn; a 429 or 503 is retried (as OpenAI's clients do) on a fresh connection after
+        `_RETRY_DELAY_S`, at most `_MAX_RETRIES` times; the turn's times count from the first send."""
+        first_sent_s: float | None = None
+        for attempt in range(_MAX_RETRIES + 1):
+            sent_s, events = await conn.post_events(conn.request_bytes(self.path, body))
+            first_sent_s = first_sent_s or sent_s
+            try:
+                answer, first_s, usage = await _read_answer(events)
                 break
-            chunk = json.loads(data)
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            for choice in chunk.get("choices") or ():
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    parts.append(content)
-                    if first_s is None:
-                        first_s = time.monotonic()
+            except HttpError as exc:
+                if exc.status not in (429, 503) or attempt == _MAX_RETRIES:
+                    raise
+                self.num_retries += 1
+                await conn.close()
+                await asyncio.sleep(_RETRY_DELAY_S)
+                conn = await RawConnection(self.host, self.port).open()
         end_s = time.monotonic()
         if usage is None or first_s is None:
             raise RuntimeError(f"conversation {index} turn {turn}: no content or no usage in the stream")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        return "".join(parts), TurnResult(index, turn, first_s - sent_s, end_s - sent_s, usage["prompt_tokens"],
-                                          cached, usage["completion_tokens"])
+        return conn, answer, TurnResult(index, turn, first_s - first_sent_s, end_s - first_sent_s,
+                                        usage["prompt_tokens"], cached, usage["completion_tokens"])
 
 
-async def play(workload: ChatWorkload, host: str, port: int, model: str) -> list[TurnResult]:
-    """Run every conversation on its schedule against the server at host:port; returns one result per turn."""
+async def _read_answer(events: AsyncIterator[bytes]) -> tuple[str, float | None, dict[str, Any] | None]:
+    """(the answer's text, when its first content arrived, the usage) from a chat completion's SSE stream."""
+    first_s, usage, parts = None, None, []
+    async for data in events:
+        if data == b"[DONE]":
+            continue  # read on to the end of the body: the connection is reused
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices") or ():
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                parts.append(content)
+                if first_s is None:
+                    first_s = time.monotonic()
+    return "".join(parts), first_s, usage
+
+
+async def play(workload: ChatWorkload, host: str, port: int, model: str) -> tuple[list[TurnResult], int]:
+    """Run every conversation on its schedule against the server at host:port; returns one result per turn
+    and the number of requests retried after a 429 or 503."""
     player = _Player(host, port, model)
     t0 = time.monotonic() + 0.2
     await asyncio.gather(*(player.conversation(i, c, workload, t0) for i, c in enumerate(workload.conversations)))
-    return player.results
+    return player.results, player.num_retries
 
 
-def summarize(results: list[TurnResult]) -> dict[str, Any]:
+def summarize(results: list[TurnResult], block_size: int = 16) -> dict[str, Any]:
+    """TTFT percentiles (overall and p50 per turn index), cache hit ratio (cached / prompt tokens, from the
+    usage the server reported), and `history_hit`: the share of follow-up turns that found at least their
+    conversation's previous prompt, less a block, in the cache, i.e. that went back to a worker holding
+    their history."""
     ttfts_ms = [1000 * r.ttft_s for r in results]
     prompt = sum(r.prompt_tokens for r in results)
+    by_turn: dict[int, list[float]] = {}
+    for r in results:
+        by_turn.setdefault(r.turn, []).append(1000 * r.ttft_s)
+    prompt_of = {(r.conversation, r.turn): r.prompt_tokens for r in results}
+    followups = [r for r in results if (r.conversation, r.turn - 1) in prompt_of]
+    on_history = sum(1 for r in followups
+                     if r.cached_tokens >= prompt_of[r.conversation, r.turn - 1] - block_size)
     return {
         "turns": len(results),
         "ttft_p50_ms": percentile(ttfts_ms, 50),
         "ttft_p90_ms": percentile(ttfts_ms, 90),
+        "ttft_p50_ms_by_turn": [percentile(by_turn[t], 50) for t in sorted(by_turn)],
         "e2e_p50_ms": percentile([1000 * r.e2e_s for r in results], 50),
         "prompt_tokens": prompt,
         "cache_hit": sum(r.cached_tokens for r in results) / prompt if prompt else 0.0,
+        "history_hit": on_history / len(followups) if followups else None,
     }

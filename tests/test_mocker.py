@@ -75,6 +75,7 @@ def test_answers_respect_max_tokens_stop_ids_and_seeds(tokenizer: Tokenizer) -> 
     first, again = engine.generate([prompt, prompt], greedy)
     assert first.token_ids == again.token_ids and len(first.token_ids) == 12 and first.finish_reason == "length"
     assert first.text == tokenizer.decode(first.token_ids)
+    assert tokenizer.encode(first.text) == first.token_ids  # a resent answer hits the prefix cache
     assert not set(first.token_ids) & (tokenizer.special_token_ids | {tokenizer.eos_token_id})
     stop_id = first.token_ids[4]
     (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,)))

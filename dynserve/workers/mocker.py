@@ -16,8 +16,13 @@ Invariants:
 - Nothing here imports torch (`import dynserve.workers.mocker` leaves it out of `sys.modules`).
 - Tokens are a pure function of (the request's seed, the token's position): the seed the engine assigns or
   the request gives, or for greedy requests the prompt, so the same greedy prompt always gets the same
-  answer. Tokens are drawn from the vocabulary minus control tokens, so EOS never comes and a request runs to
-  `max_tokens` unless one of its `stop_token_ids` or `stop` strings comes first.
+  answer. Tokens are never control tokens, so EOS never comes and a request runs to `max_tokens` unless one
+  of its `stop_token_ids` or `stop` strings comes first.
+- Answers re-encode to the tokens that made them, as a real model's text almost always does: tokens are
+  drawn from the vocabulary's plain words (a space and two or more ASCII letters), whose concatenation the
+  byte-level BPE splits back at the same places. So a multi-turn chat that resends an answer finds it in
+  the prefix cache of the worker that wrote it. (A vocabulary with fewer than `_MIN_WORD_TOKENS` such
+  words falls back to every non-control token.)
 - Steps are paced on a clock that carries over between back-to-back steps: a sleep that overshoots is taken
   back from the next step, so a busy mocker keeps the profile's throughput; an idle one starts afresh.
 - Logprobs are synthetic but well-formed: the chosen token first and most likely, then `k - 1` others.
@@ -29,6 +34,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import struct
 import sys
 import time
@@ -55,6 +61,8 @@ _KEY = struct.Struct("<QQ")
 _LOGPROB_SALT = 0x9E3779B97F4A7C15
 _CATCH_UP_S = 0.005  # a step that starts this soon after the last one's deadline continues its clock
 _SCHEDULER_LIMITS = ("max_num_seqs", "max_num_batched_tokens")
+_WORD_TOKEN = re.compile(rb" [A-Za-z]{2,}")
+_MIN_WORD_TOKENS = 1024
 
 
 def step_work(batch: ScheduledBatch) -> StepWork:
@@ -90,8 +98,7 @@ class MockEngine(EngineCore):
         )
         self.speedup = settings.mocker_speedup
         self.simulated_busy_s = 0.0  # the sum of every step's modelled time (after the speedup)
-        self._skipped_ids = sorted(tokenizer.special_token_ids | self._eos_ids)
-        self._num_drawable = self.vocab_size - len(self._skipped_ids)
+        self._drawable_ids = _drawable_token_ids(tokenizer, tokenizer.special_token_ids | self._eos_ids)
         self._step_started_s = 0.0
         self._clock_s = 0.0
 
@@ -130,13 +137,9 @@ class MockEngine(EngineCore):
             time.sleep(remaining_s)
 
     def _draw(self, seed: int | None, position: int, salt: int = 0) -> int:
-        """A token id in the vocabulary, never a skipped one, fixed by (seed, position, salt)."""
+        """A drawable token id (see the module's invariants), fixed by (seed, position, salt)."""
         key = _KEY.pack((seed or 0) & _SEED_MASK, (position + salt * 1_000_003) & _SEED_MASK)
-        token_id = xxhash.xxh3_64_intdigest(key) % self._num_drawable
-        for skipped in self._skipped_ids:  # shift past each skipped id at or below it (sorted)
-            if token_id >= skipped:
-                token_id += 1
-        return token_id
+        return self._drawable_ids[xxhash.xxh3_64_intdigest(key) % len(self._drawable_ids)]
 
     def _logprob(self, seq: Sequence, token_id: int) -> TokenLogprob:
         seed = ((seq.params.seed or 0) ^ _LOGPROB_SALT) & _SEED_MASK
@@ -150,6 +153,15 @@ class MockEngine(EngineCore):
                 rest /= 2
                 top.append((other, math.log(rest)))
         return TokenLogprob(token_id, math.log(p), top)
+
+
+def _drawable_token_ids(tokenizer: Tokenizer, skipped_ids: set[int] | frozenset[int]) -> tuple[int, ...]:
+    """The plain-word tokens of the vocabulary, or every token but `skipped_ids` when it has too few."""
+    words = tuple(i for i in range(tokenizer.vocab_size)
+                  if i not in skipped_ids and _WORD_TOKEN.fullmatch(tokenizer.token_bytes(i)))
+    if len(words) >= _MIN_WORD_TOKENS:
+        return words
+    return tuple(i for i in range(tokenizer.vocab_size) if i not in skipped_ids)
 
 
 def launch_mocker(settings: Settings, worker_id: str, *, profile: str | None = None, speedup: float | None = None,
@@ -179,17 +191,20 @@ def _parser() -> argparse.ArgumentParser:
                     "behind dynserve's gateway: an OpenAI-compatible server other routers can front.",
         epilog="The profile defaults to cpu. Engine limits left unset (--kv-blocks, --max-num-seqs, "
                "--max-num-batched-tokens, --max-model-len) are the profile's. With --redis-url the mocker "
-               "registers there and publishes its KV events, so dynserve's KV router can use it too.")
+               "registers there (in --namespace) and publishes its KV events, so dynserve's KV router can use "
+               "it too.")
     parser.add_argument("--log-level", default="WARNING", help="logging level [default: WARNING]")
     add_settings_group(parser, "mocker", aliases={"mocker": ["--profile"], "mocker_speedup": ["--speedup"]})
     add_settings_group(parser, "gateway", aliases={"port": ["--http-port"]})
     add_settings_group(parser, "engine", only=_ENGINE_FLAGS)
-    add_settings_group(parser, "cluster", only={"redis_url"})
+    add_settings_group(parser, "cluster", only={"redis_url", "namespace"})
     return parser
 
 
 async def serve_standalone(settings: Settings) -> None:
-    """Run a mocker worker and the gateway over its channel on this loop until the gateway stops."""
+    """Run a mocker worker and the gateway over its channel on this loop until the gateway stops; then drain
+    the worker (channel clients get 5 s to finish their streams) and stop it. With `settings.redis_url` the
+    worker registers in `settings.namespace` there and publishes its KV events."""
     from dynserve.gateway.server import make_gateway_app, serve_app_async
     from dynserve.workers.worker import EngineWorker
 
@@ -205,6 +220,7 @@ async def serve_standalone(settings: Settings) -> None:
     try:
         await serve_app_async(app, settings, on_ready)
     finally:
+        await worker.drain(timeout_s=5.0)  # leaves the registry now, not when its lease runs out
         await worker.stop()
 
 
