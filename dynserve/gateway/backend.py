@@ -114,9 +114,10 @@ class WorkerSet:
         await asyncio.gather(*(c.close() for c in [*self.connections.values(), *self._leaving]))
 
     def is_ready(self) -> bool:
-        """True when some worker's channel is open and it reported a load within the last 3 polls."""
+        """True when some worker's channel is open and it reported a load within the last 10 polls (5 s at
+        least: on a busy host a load reply can take a second or more, and that is no reason to refuse)."""
         now = time.monotonic()
-        horizon_s = max(3 * self._poll_interval_s, 1.0)
+        horizon_s = max(10 * self._poll_interval_s, 5.0)
         return any(c.is_open and now - self._load_seen_s.get(wid, -1e9) <= horizon_s
                    for wid, c in self.connections.items())
 
@@ -226,7 +227,10 @@ class WorkerSet:
             return
         try:
             load = await connection.load(timeout_s=max(2 * self._poll_interval_s, 1.0))
-        except WorkerUnavailableError:
+        except WorkerUnavailableError as exc:
+            if connection.is_open:  # a slow answer (a busy host), not a dead worker: keep what we know
+                logger.debug("worker %s: %s", connection.worker_id, exc)
+                return
             self._mark_down(connection)
             return
         if self.connections.get(connection.worker_id) is not connection:
