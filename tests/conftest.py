@@ -175,3 +175,19 @@ def redis_url() -> Iterator[str]:
     yield f"redis://127.0.0.1:{port}/0"
     process.terminate()
     process.wait(10)
+
+
+async def replay_event_plane() -> tuple[Any, list[str]]:
+    """Everything on the embedded event plane so far, applied to a fresh `KVIndex` (every batch must apply
+    in order), and the workers registered there."""
+    from dynserve.events.ray_plane import RayEventPlane
+    from dynserve.router.indexer import KVIndex
+
+    plane = RayEventPlane()
+    index, cursor = KVIndex(), "0"
+    while True:
+        batches, cursor = await plane.read(cursor, block_s=0.2)
+        if not batches:
+            return index, [w.worker_id for w in await plane.workers()]
+        for batch in batches:
+            assert index.apply(batch.worker_id, batch.events)

@@ -15,6 +15,7 @@ from dynserve.events.memory import MemoryEventPlane
 from dynserve.events.redis_plane import RedisEventPlane
 from dynserve.protocol import BlockRemoved, BlockStored, SamplingParams, WorkerInfo
 from dynserve.router.indexer import KVIndex
+from conftest import replay_event_plane
 
 _prefixes = itertools.count()
 
@@ -140,7 +141,6 @@ def test_a_worker_actor_publishes_its_kv_events_and_registers(worker: Any, gatew
     import httpx
     import ray
 
-    from dynserve.events.ray_plane import RayEventPlane
 
     handle, _ = worker
     system = "You are a meticulous assistant. " * 20
@@ -149,20 +149,10 @@ def test_a_worker_actor_publishes_its_kv_events_and_registers(worker: Any, gatew
             "model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
 
-    async def replay() -> tuple[KVIndex, list[str]]:
-        plane = RayEventPlane()
-        index, cursor = KVIndex(), "0"
-        while True:
-            batches, cursor = await plane.read(cursor, block_s=0.2)
-            if not batches:
-                return index, [w.worker_id for w in await plane.workers()]
-            for batch in batches:
-                assert index.apply(batch.worker_id, batch.events)
-
     deadline = time.monotonic() + 5
     while True:
         hashes, last_event_id = ray.get(handle.kv_snapshot.remote())
-        index, registered = asyncio.run(replay())
+        index, registered = asyncio.run(replay_event_plane())
         if index.last_event_id("w0") == last_event_id:
             break
         assert time.monotonic() < deadline, "published events did not catch up with the snapshot"

@@ -28,6 +28,7 @@ from dynserve.engine.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams
 from dynserve.workers.mocker import MockEngine, step_work
 from dynserve.workers.mocker_profiles import CPU, MockerProfile, StepWork
+from conftest import replay_event_plane
 
 MODEL = "SmolLM2-135M-Instruct"
 SPEEDUP = 10.0
@@ -185,9 +186,7 @@ def test_kv_events_replay_to_each_mockers_snapshot(mockers: Any, tokenizer: Toke
     resyncing from them would), and each mocker is in the registry."""
     import ray
 
-    from dynserve.events.ray_plane import RayEventPlane
     from dynserve.protocol import GenerateRequest
-    from dynserve.router.indexer import KVIndex
     from dynserve.workers.channel import WorkerConnection
 
     async def fill(info: Any) -> None:  # a prompt of 8+ blocks straight to each mocker, over its channel
@@ -198,22 +197,12 @@ def test_kv_events_replay_to_each_mockers_snapshot(mockers: Any, tokenizer: Toke
         assert [d async for d in connection.generate(request)][-1].finished
         await connection.close()
 
-    async def replay() -> tuple[KVIndex, list[str]]:
-        plane = RayEventPlane()
-        index, cursor = KVIndex(), "0"
-        while True:
-            batches, cursor = await plane.read(cursor, block_s=0.2)
-            if not batches:
-                return index, [w.worker_id for w in await plane.workers()]
-            for batch in batches:
-                assert index.apply(batch.worker_id, batch.events)
-
     for _, info in mockers:
         asyncio.run(fill(info))
     deadline = time.monotonic() + 10
     while True:
         snapshots = {info.worker_id: ray.get(handle.kv_snapshot.remote()) for handle, info in mockers}
-        index, registered = asyncio.run(replay())
+        index, registered = asyncio.run(replay_event_plane())
         if all(index.last_event_id(wid) == last for wid, (_, last) in snapshots.items()):
             break
         assert time.monotonic() < deadline, "published events did not catch up with the snapshots"

@@ -14,6 +14,7 @@ request holds no blocks; `stats` counts only what this engine did.
 
 from __future__ import annotations
 
+import abc
 import itertools
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ class _Request:
     stop_token_ids: frozenset[int]
 
 
-class EngineCore:
+class EngineCore(abc.ABC):
     """The engine surface workers drive: `add_request`, `step`, `abort`, `drain_kv_events`, snapshots through
     `block_manager`, loads through `scheduler`. Single-threaded. Subclasses implement `_execute`."""
 
@@ -92,10 +93,10 @@ class EngineCore:
         self._ids = itertools.count()
         self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, eos_token_id) if i is not None)
 
+    @abc.abstractmethod
     def _execute(self, batch: ScheduledBatch) -> StepSamples:
         """Run `batch` (the scheduler has not yet recorded it as computed) and sample a token for every
-        sequence scheduled up to its last token, in batch order."""
-        raise NotImplementedError
+        sequence scheduled up to its last token, in batch order. Each engine (model, mocker) defines it."""
 
     # ---- requests -------------------------------------------------------------------------------------
 
