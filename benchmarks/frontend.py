@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import git_commit, log, machine_info, percentile, write_result
+from benchmarks._services import free_port
 
 SPEEDUP = 1000.0
 NUM_TOKENS = 16
@@ -49,12 +50,6 @@ def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process has used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _bodies(num: int, seed: int) -> list[bytes]:
@@ -198,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         target=_gateway_process, daemon=True,
         args=(settings.model_dump_json(), msgspec.msgpack.encode(infos), ray.get_runtime_context().gcs_address, ports))
     gateway.start()
-    direct_port = _free_port()
+    direct_port = free_port()
     direct = _start_standalone_mocker(direct_port)
     try:
         port = ports.get(timeout=120)
