@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import socket
@@ -281,15 +282,15 @@ def test_standalone_mocker_serves_the_openai_client() -> None:
 
 
 def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
-    port = _free_port()
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     dynctl = str(Path(sys.executable).parent / "dynctl")
     process = subprocess.Popen([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
-                                "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
-    try:
+                                "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
+    try:  # port 0: a port picked beforehand could be taken by Ray's own start-up; the banner names the one bound
         banner = _wait_for_line(process, '"messages"', 120)
+        port = int(re.search(r"http://[^/\s]+:(\d+)/v1", banner).group(1))  # type: ignore[union-attr]
         assert "2 mocker workers" in banner and "profile cpu" in banner
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
