@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,12 +15,6 @@ from pathlib import Path
 import httpx
 
 DYNCTL = str(Path(sys.executable).parent / "dynctl")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_serve_help_lists_each_flag_with_its_env_twin() -> None:
@@ -37,11 +31,11 @@ def test_bad_flag_values_exit_2_with_a_message() -> None:
 
 
 def test_serve_answers_chat_and_stops_on_ctrl_c() -> None:
-    port = _free_port()
     ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
     env = {**os.environ, "DYN_KV_BLOCKS": "256", "DYN_API_KEY": "k3y", "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    process = subprocess.Popen([DYNCTL, "serve", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+    # port 0: a port picked beforehand could be taken by Ray's own start-up; the banner names the one bound
+    process = subprocess.Popen([DYNCTL, "serve", "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
     try:
         banner = []
         deadline = time.monotonic() + 240
@@ -50,6 +44,7 @@ def test_serve_answers_chat_and_stops_on_ctrl_c() -> None:
             assert time.monotonic() < deadline, "dynctl serve did not become ready"
             banner.append(process.stderr.readline())  # type: ignore[union-attr]
         text = "".join(banner)
+        port = int(re.search(r"http://localhost:(\d+)/v1", text).group(1))  # type: ignore[union-attr]
         assert f"http://localhost:{port}/v1" in text and "curl" in text and "k3y" not in text
         body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}],
                 "max_tokens": 8}
