@@ -60,6 +60,17 @@ class Settings(BaseSettings):
     worker_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each worker",
                                    json_schema_extra=_CLUSTER)
     workers: int = Field(1, ge=1, description="engine workers to start (dynctl serve)", json_schema_extra=_CLUSTER)
+    prefill_workers: int = Field(0, ge=0, description="disaggregated serving (dynctl serve): prefill workers "
+                                 "to start; with decode_workers, replaces --workers", json_schema_extra=_CLUSTER)
+    decode_workers: int = Field(0, ge=0, description="disaggregated serving (dynctl serve): decode workers to "
+                                "start", json_schema_extra=_CLUSTER)
+    disagg_local_prefill_tokens: int = Field(
+        512, ge=0, description="disaggregated serving: a prompt with fewer uncached tokens than this (by the "
+        "prefill router's view of the prefill workers' caches) is prefilled on its decode worker",
+        json_schema_extra=_CLUSTER)
+    disagg_max_prefill_queue: int = Field(
+        8, ge=0, description="disaggregated serving: while the prefill workers report more waiting requests "
+        "than this per worker, prompts are prefilled on their decode worker", json_schema_extra=_CLUSTER)
     router: Literal["kv", "approximate", "round_robin", "random", "least_loaded"] = Field(
         "kv", description="how the gateway picks a worker: prefix-cache overlap (from KV events, or "
         "approximate: from where it sent earlier prompts) and load, or a baseline",
@@ -138,6 +149,12 @@ class Settings(BaseSettings):
     transfer_progress_interval_s: float = Field(0.005, gt=0, description="nixl: how often the connector "
                                                 "progresses UCX for peers' connections and notifications when "
                                                 "NIXL's progress thread is off", json_schema_extra=_TRANSFER)
+    kv_lease_s: float = Field(30.0, gt=0, description="a prefill worker holds a prompt's KV blocks for its "
+                              "decode worker this long at most, then frees them", json_schema_extra=_TRANSFER)
+    transfer_fault: Literal["none", "error", "timeout"] = Field(
+        "none", description="fault injection for resilience tests and drills: every KV read of this worker "
+        "fails at once ('error') or only after transfer_timeout_s ('timeout'); the decode worker then prefills "
+        "locally", json_schema_extra=_TRANSFER)
     transfer_host: str = Field("127.0.0.1", description="tcp: the address a worker serves its KV pages on "
                                "and tells peers", json_schema_extra=_TRANSFER)
     transfer_port: int = Field(0, ge=0, le=65535, description="tcp: the port it serves them on (0: any free "

@@ -3,8 +3,14 @@
 Everything here is a `msgspec.Struct` so it travels as MessagePack between the gateway, workers and the
 router. KV events form a tagged union; each carries its worker's sequence number (`event_id`) so a consumer
 can detect gaps and resync from a snapshot. The worker channel speaks two tagged unions: `ClientFrame`
-(gateway to worker: generate, abort, load) and `WorkerFrame` (worker to gateway: batches of deltas, request
-errors, loads).
+(gateway to worker: generate, abort, release, load, snapshot) and `WorkerFrame` (worker to gateway: batches
+of deltas, request errors, loads, snapshots).
+
+Disaggregated serving adds three types. A prefill worker runs a `GenerateRequest` with `prefill_only` up
+to its first token and answers one finished delta (`finish_reason="prefilled"`) carrying a `KVHandle`: the
+blocks that hold the prompt's KV, kept under a lease until a `ReleaseRequest` (or the lease's end). The
+decode worker gets the same request with a `RemotePrefill` (the handle and the first token), reads the
+blocks, and streams every token from the first on, exactly as in aggregated mode.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ __all__ = [
     "DeltaBatch",
     "GenerateRequest",
     "KVEvent",
+    "KVHandle",
     "KVSnapshot",
     "SnapshotRequest",
     "LoadRequest",
+    "ReleaseRequest",
+    "RemotePrefill",
     "RequestError",
     "RequestTiming",
     "MAX_TOP_LOGPROBS",
@@ -83,9 +92,22 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[int, float]]
 
 
-class TokenDelta(msgspec.Struct, kw_only=True):
+class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a prefilled prompt's KV waits for its decode worker: blocks `block_ids` (in order, the first
+    `num_tokens` tokens) of worker `worker_id`, whose transfer agent is `agent_name` (None for a mocker,
+    whose transfers are simulated). Held under a lease until released."""
+
+    worker_id: str
+    agent_name: str | None
+    block_ids: list[int]
+    num_tokens: int
+
+
+class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one engine step produced for one request. `text` is the newly completed text (never half a
-    UTF-8 character); usage counts are cumulative."""
+    UTF-8 character); usage counts are cumulative. `kv_handle` is set on the one delta that ends a
+    prefill-only request; `kv_fallback` on a decode worker's first delta when it could not use the
+    transferred KV and prefilled locally (the reason: "transfer_error", "transfer_timeout", "no_blocks")."""
 
     request_id: str
     token_ids: list[int]
@@ -96,20 +118,43 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
+    kv_handle: KVHandle | None = None
+    kv_fallback: str | None = None
 
 
 # ---- the worker channel ---------------------------------------------------------------------------------
 
 
-class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True):
-    """Run `token_ids` (already tokenized and templated by the gateway) with `params`."""
+class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """A prompt another worker prefilled: where its KV is, the first token it sampled (and that token's
+    logprob, when asked), and how many prompt tokens its prefix cache served."""
+
+    handle: KVHandle
+    first_token_id: int
+    first_logprob: TokenLogprob | None = None
+    num_cached_tokens: int = 0
+
+
+class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_defaults=True):
+    """Run `token_ids` (already tokenized and templated by the gateway) with `params`. `prefill_only`: stop
+    after the first token and hold the prompt's KV for a decode worker; `remote_prefill`: the prompt was
+    prefilled elsewhere: read its KV and continue from the first token."""
 
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    prefill_only: bool = False
+    remote_prefill: RemotePrefill | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):
+    request_id: str
+
+
+class ReleaseRequest(msgspec.Struct, tag="release"):
+    """The decode worker has the KV of prefill-only request `request_id`: free its blocks (a no-op when the
+    lease already ended)."""
+
     request_id: str
 
 
@@ -121,7 +166,7 @@ class SnapshotRequest(msgspec.Struct, tag="snapshot"):
     pass
 
 
-ClientFrame = GenerateRequest | AbortRequest | LoadRequest | SnapshotRequest
+ClientFrame = GenerateRequest | AbortRequest | ReleaseRequest | LoadRequest | SnapshotRequest
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas"):
@@ -173,6 +218,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     max_model_len: int
     block_size: int
     num_blocks: int
+    kv_agent: bytes | None = None  # transfer agent metadata (`KVConnector.metadata()`) of a prefill worker
 
 
 class RequestTiming(msgspec.Struct, kw_only=True, frozen=True):

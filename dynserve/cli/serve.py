@@ -1,6 +1,8 @@
 """`dynctl serve`: Ray (a local instance, or the cluster at `--ray-address`), `--workers` engine workers (with
 several, the gateway routes by `--router`, `kv` by default), and the gateway. With `--mocker PROFILE` the
-workers are mockers (simulated step times, no model; see `dynserve/workers/mocker.py`).
+workers are mockers (simulated step times, no model; see `dynserve/workers/mocker.py`). With
+`--prefill-workers N --decode-workers M` it serves disaggregated: a pool of N prefill workers and a pool of M
+decode workers, KV pages moving between them (see `gateway/backend.py`).
 
 Thin: it starts the parts the library provides (a `WorkerPool`, which replaces a worker that dies, and a
 gateway that follows the pool through the worker registry), shows progress while the workers load their
@@ -42,12 +44,13 @@ def start_ray(settings: Settings) -> bool:
     return True
 
 
-async def _start_pool(pool: Any, num_workers: int) -> list[Any]:
-    """Start the pool's workers, with a live elapsed-time line on a terminal while their models load."""
+async def _start_pools(pools: list[tuple[Any, int]]) -> list[Any]:
+    """Start each pool's workers, with a live elapsed-time line on a terminal while their models load."""
     from dynserve.errors import PoolError
 
     start_s = time.monotonic()
-    starting = asyncio.ensure_future(pool.start(num_workers))
+    num_workers = sum(n for _pool, n in pools)
+    starting = asyncio.ensure_future(asyncio.gather(*(pool.start(n) for pool, n in pools)))
     interactive = sys.stderr.isatty()
     while not starting.done():
         await asyncio.wait([starting], timeout=0.25)
@@ -57,14 +60,20 @@ async def _start_pool(pool: Any, num_workers: int) -> list[Any]:
     if interactive:
         print(file=sys.stderr)
     try:
-        return starting.result()
+        return [info for infos in starting.result() for info in infos]
     except PoolError as exc:
         raise ModelLoadError(f"a worker failed to start: {exc}") from exc
 
 
 def _banner(settings: Settings, model_id: str, port: int) -> str:
     kind = "worker" if settings.mocker is None else "mocker worker"
-    workers = f"1 {kind}" if settings.workers == 1 else f"{settings.workers} {kind}s, router {settings.router}"
+    if _disaggregated(settings):
+        workers = (f"{settings.prefill_workers} prefill + {settings.decode_workers} decode {kind}s, "
+                   f"router {settings.router}")
+    elif settings.workers == 1:
+        workers = f"1 {kind}"
+    else:
+        workers = f"{settings.workers} {kind}s, router {settings.router}"
     if settings.mocker is not None:
         workers += f", profile {settings.mocker}, speedup {settings.mocker_speedup:g}"
     host = "localhost" if settings.host in ("127.0.0.1", "0.0.0.0") else settings.host
@@ -84,6 +93,7 @@ def serve(settings: Settings) -> int:
     from dynserve.engine.loader import resolve_model_path
     from dynserve.engine.tokenizer import Tokenizer
 
+    check_layout(settings)
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
     started_ray = start_ray(settings)
     try:
@@ -97,21 +107,40 @@ def serve(settings: Settings) -> int:
             ray.shutdown()
 
 
+def _disaggregated(settings: Settings) -> bool:
+    return settings.prefill_workers > 0 or settings.decode_workers > 0
+
+
+def check_layout(settings: Settings) -> None:
+    """Raise InvalidRequestError for a worker layout that cannot serve (prefill without decode workers)."""
+    from dynserve.errors import InvalidRequestError
+
+    if _disaggregated(settings) and (settings.prefill_workers < 1 or settings.decode_workers < 1):
+        raise InvalidRequestError("disaggregated serving needs at least one prefill and one decode worker "
+                                  "(--prefill-workers N --decode-workers M)", param="prefill_workers")
+
+
 async def _serve(settings: Settings, tokenizer: Any) -> None:
-    """The pool of workers, then the gateway following it through the registry, until SIGINT/SIGTERM."""
+    """The pools of workers, then the gateway following them through the registry, until SIGINT/SIGTERM."""
     from dynserve.gateway.server import make_gateway_app, serve_app_async
     from dynserve.workers.pool import WorkerPool
 
+    if _disaggregated(settings):
+        layout = [("p", "prefill", settings.prefill_workers), ("d", "decode", settings.decode_workers)]
+    else:
+        layout = [("w", "both", settings.workers)]
     # several workers on one host share its cores: each gets its part of the threads
-    threads = settings.num_threads or max(1, (os.cpu_count() or 1) // settings.workers)
-    pool = WorkerPool(settings.model_copy(update={"num_threads": threads}), name="w")
+    num_workers = sum(n for _name, _role, n in layout)
+    threads = settings.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
+    worker_settings = settings.model_copy(update={"num_threads": threads})
+    pools = [(WorkerPool(worker_settings, name=name, role=role), n) for name, role, n in layout]  # type: ignore[arg-type]
     try:
-        infos = await _start_pool(pool, settings.workers)
-        app = make_gateway_app(settings, infos, tokenizer, registry=pool.registry)
+        infos = await _start_pools(pools)
+        app = make_gateway_app(settings, infos, tokenizer, registry=pools[0][0].registry)
 
         def on_ready(port: int) -> None:
             print(_banner(settings, infos[0].model_id, port), file=sys.stderr, flush=True)
 
         await serve_app_async(app, settings, on_ready)  # returns after SIGINT/SIGTERM and a graceful shutdown
     finally:
-        await pool.close()
+        await asyncio.gather(*(pool.close() for pool, _n in pools))

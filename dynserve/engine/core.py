@@ -8,14 +8,27 @@ computed, records the step with the scheduler (which caches the blocks it filled
 limit, cumulative usage counts and prefix-cache hits. Everything here is pure Python (no torch), so an engine
 without a model imports none.
 
+Disaggregated serving (see `protocol.py`) has two more kinds of request:
+- prefill-only: runs as usual up to its first token; unless that token ends it, the request then leaves the
+  scheduler holding its blocks under a lease (`kv_lease_s`) and its one delta carries a `KVHandle` naming
+  them. `release` (or `abort`, or the lease's end: `expire_leases`) frees them; cached prompt blocks stay in
+  the prefix cache.
+- remote-prefilled: allocates blocks for the prompt and the first token (reusing its own cached prefix) and
+  hands the worker a `ReceivePlan` (`drain_receives`): which of the prefill worker's blocks to read into
+  which of its own. `complete_receive` then starts decoding from the first token, or, when the read failed,
+  queues the request to prefill here; either way the request's first delta (the first token) comes then.
+
 Invariants: every added request ends with exactly one finished delta, or is aborted; a finished or aborted
-request holds no blocks; `stats` counts only what this engine did.
+request holds no blocks, except a prefill-only request under lease; a block being written by a transfer is
+never freed before the transfer ends (an abort meanwhile frees it at `complete_receive`); `stats` counts only
+what this engine did.
 """
 
 from __future__ import annotations
 
 import abc
 import itertools
+import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
@@ -29,9 +42,9 @@ from dynserve.engine.sequence import Sequence
 from dynserve.engine.tokenizer import Tokenizer
 from dynserve.errors import InvalidRequestError
 from dynserve.hashing import model_salt
-from dynserve.protocol import KVEvent, SamplingParams, TokenDelta, TokenLogprob
+from dynserve.protocol import KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
 
-__all__ = ["EngineCore", "EngineStats", "GenerationResult", "StepSamples"]
+__all__ = ["EngineCore", "EngineStats", "GenerationResult", "ReceivePlan", "StepSamples"]
 
 
 @dataclass(slots=True)
@@ -64,11 +77,32 @@ class StepSamples:
     logprobs: list[TokenLogprob | None]
 
 
+@dataclass(slots=True, frozen=True)
+class ReceivePlan:
+    """A read the worker must do before request `request_id` can decode: the prefill worker's blocks
+    `remote_block_ids[i]` into this engine's `local_block_ids[i]`. `fallback` is set (and nothing is to be
+    read) when the request will prefill here instead, e.g. "no_blocks"."""
+
+    request_id: str
+    source_worker_id: str
+    agent_name: str | None
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    fallback: str | None = None
+
+
 @dataclass(slots=True)
 class _Request:
     seq: Sequence
     output: OutputText
     stop_token_ids: frozenset[int]
+    prefill_only: bool = False
+
+
+@dataclass(slots=True)
+class _Receiving:
+    request: _Request
+    aborted: bool = False
 
 
 class EngineCore(abc.ABC):
@@ -92,6 +126,13 @@ class EngineCore(abc.ABC):
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, eos_token_id) if i is not None)
+        # disaggregated serving: who this engine is to a decode worker (set by its worker), prefills held
+        # under lease (request id -> (sequence, lease end), in lease order), requests receiving their KV
+        self.kv_source_id = ""
+        self.kv_agent_name: str | None = None
+        self._leases: dict[str, tuple[Sequence, float]] = {}
+        self._receiving: dict[str, _Receiving] = {}
+        self._receive_plans: list[ReceivePlan] = []
 
     @abc.abstractmethod
     def _execute(self, batch: ScheduledBatch) -> StepSamples:
@@ -101,26 +142,119 @@ class EngineCore(abc.ABC):
     # ---- requests -------------------------------------------------------------------------------------
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, *,
+        prefill_only: bool = False, remote: RemotePrefill | None = None,
     ) -> str:
-        """Queue a request (text or token ids). Raises InvalidRequestError for bad input."""
+        """Queue a request (text or token ids). Raises InvalidRequestError for bad input. `prefill_only` and
+        `remote`: see the module's docstring."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._receiving or request_id in self._leases:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids)
         if params.seed is None and not params.greedy:
             params = msgspec.structs.replace(params, seed=self.settings.seed + next(self._ids))
         seq = Sequence(request_id, token_ids, params)
-        self.scheduler.add(seq)
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
-        self._requests[request_id] = _Request(
-            seq, OutputText(self.tokenizer.detokenizer(), params.stop), frozenset(stop_ids)
-        )
+        request = _Request(seq, OutputText(self.tokenizer.detokenizer(), params.stop), frozenset(stop_ids),
+                           prefill_only=prefill_only and remote is None)
+        if remote is not None:
+            self._add_remote(request, remote)
+        else:
+            self.scheduler.add(seq)
+            self._requests[request_id] = request
         self.stats.num_prompt_tokens += len(token_ids)
         return request_id
+
+    def _add_remote(self, request: _Request, remote: RemotePrefill) -> None:
+        seq, handle = request.seq, remote.handle
+        if not 0 <= remote.first_token_id < self.vocab_size:
+            raise InvalidRequestError(f"first token id must be in [0, {self.vocab_size})", param="remote_prefill")
+        self.scheduler.check_fits(seq)
+        seq.append_token(remote.first_token_id)
+        if remote.first_logprob is not None:
+            seq.output_logprobs.append(remote.first_logprob)
+        seq.num_cached_tokens = remote.num_cached_tokens
+        self._receiving[seq.request_id] = _Receiving(request)
+        blocks = self.block_manager
+        fallback = None
+        if handle.num_tokens != seq.num_prompt_tokens or len(handle.block_ids) != blocks.blocks_needed(handle.num_tokens):
+            fallback = "transfer_error"  # the handle does not describe this prompt
+        elif not blocks.allocate(seq, self.scheduler.num_reserved_blocks if self.scheduler.running else 0):
+            fallback = "no_blocks"
+        if fallback is not None:
+            self._receive_plans.append(ReceivePlan(seq.request_id, handle.worker_id, handle.agent_name, [], [],
+                                                   fallback))
+            return
+        first = seq.num_computed_tokens // blocks.block_size  # blocks this engine already caches
+        self._receive_plans.append(ReceivePlan(
+            seq.request_id, handle.worker_id, handle.agent_name, handle.block_ids[first:],
+            seq.block_table[first:len(handle.block_ids)]))
+
+    def drain_receives(self) -> list[ReceivePlan]:
+        """The reads requested since the last call (each ends with one `complete_receive`)."""
+        plans, self._receive_plans = self._receive_plans, []
+        return plans
+
+    def complete_receive(self, request_id: str, failure: str | None) -> TokenDelta | None:
+        """The read for `request_id` ended (`failure`: None, or why it failed). Starts the request (decoding,
+        or prefilling here after a failure) and returns its first delta; None for an aborted request."""
+        entry = self._receiving.pop(request_id, None)
+        if entry is None:
+            return None
+        seq = entry.request.seq
+        if entry.aborted:
+            if seq.block_table:
+                self.block_manager.free(seq)
+            return None
+        if failure is None:
+            seq.num_computed_tokens = seq.num_prompt_tokens
+            self.block_manager.register_computed_blocks(seq)
+            self.scheduler.add_running(seq)
+        else:
+            if seq.block_table:
+                self.block_manager.free(seq)  # what landed is not trusted: compute it here
+            self.scheduler.add(seq)
+        self._requests[request_id] = entry.request
+        token_id = seq.output_token_ids[0]
+        logprob = seq.output_logprobs[0] if seq.output_logprobs else None
+        return self._emit(entry.request, token_id, logprob, kv_fallback=failure)
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self._receiving)
+
+    # ---- leases of prefilled KV -------------------------------------------------------------------------
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks a prefill-only request holds; False if it holds none (released, expired)."""
+        entry = self._leases.pop(request_id, None)
+        if entry is None:
+            return False
+        self.block_manager.free(entry[0])
+        return True
+
+    def expire_leases(self, now_s: float) -> int:
+        """Release every lease that ended by `now_s`; returns how many."""
+        expired = []
+        for request_id, (_seq, end_s) in self._leases.items():
+            if end_s > now_s:
+                break
+            expired.append(request_id)
+        for request_id in expired:
+            self.release(request_id)
+        return len(expired)
+
+    @property
+    def next_lease_end_s(self) -> float | None:
+        """When the oldest lease ends (`time.monotonic()`), None without leases."""
+        return next(iter(self._leases.values()))[1] if self._leases else None
+
+    @property
+    def num_leases(self) -> int:
+        return len(self._leases)
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -134,10 +268,15 @@ class EngineCore(abc.ABC):
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is unknown or already finished."""
+        """Stop a request and free its blocks (a prefill's lease too; a request receiving KV frees its
+        blocks when the read ends); False if it is unknown or already finished."""
+        receiving = self._receiving.get(request_id)
+        if receiving is not None:
+            receiving.aborted = True
+            return True
         request = self._requests.pop(request_id, None)
         if request is None:
-            return False
+            return self.release(request_id)
         self.scheduler.finish(request.seq, "abort")
         return True
 
@@ -180,12 +319,20 @@ class EngineCore(abc.ABC):
         self.stats.num_generated_tokens += 1
         if logprob is not None:
             seq.output_logprobs.append(logprob)
+        return self._emit(request, token_id, logprob)
+
+    def _emit(self, request: _Request, token_id: int, logprob: TokenLogprob | None,
+              kv_fallback: str | None = None) -> TokenDelta:
+        """The delta for `token_id`, just appended to the request's sequence; finishes or parks it."""
+        seq = request.seq
         text = "" if token_id in request.stop_token_ids else request.output.push(token_id)
         reason = None
         if token_id in request.stop_token_ids or request.output.stopped:
             reason = "stop"
         elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        if reason is None and request.prefill_only:
+            return self._park(request, token_id, logprob, text)
         if reason is not None:
             text += request.output.finish()
             self.scheduler.finish(seq, reason)
@@ -200,6 +347,22 @@ class EngineCore(abc.ABC):
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
+            kv_fallback=kv_fallback,
+        )
+
+    def _park(self, request: _Request, token_id: int, logprob: TokenLogprob | None, text: str) -> TokenDelta:
+        """End a prefill-only request after its first token, keeping its prompt's blocks under a lease."""
+        seq = request.seq
+        self.scheduler.detach(seq)
+        del self._requests[seq.request_id]
+        self._leases[seq.request_id] = (seq, time.monotonic() + self.settings.kv_lease_s)
+        num_blocks = self.block_manager.blocks_needed(seq.num_prompt_tokens)
+        handle = KVHandle(worker_id=self.kv_source_id, agent_name=self.kv_agent_name,
+                          block_ids=seq.block_table[:num_blocks], num_tokens=seq.num_prompt_tokens)
+        return TokenDelta(
+            request_id=seq.request_id, token_ids=[token_id], text=text, finished=True, finish_reason="prefilled",
+            logprobs=None if logprob is None else [logprob], num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, kv_handle=handle,
         )
 
     # ---- convenience ----------------------------------------------------------------------------------

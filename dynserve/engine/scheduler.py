@@ -51,7 +51,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._num_reserved_blocks = max(1, block_manager.num_blocks // 100)
+        self.num_reserved_blocks = max(1, block_manager.num_blocks // 100)
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at admission
 
@@ -61,6 +61,26 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue `seq`; raises CacheCapacityError if it could never fit in the whole cache."""
+        self.check_fits(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """Run `seq`, which already holds blocks for its tokens (its KV came from another worker), from the
+        next step on."""
+        assert seq.block_table, "a sequence added as running must hold its blocks"
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def detach(self, seq: Sequence) -> None:
+        """Take running `seq` out of scheduling and keep its blocks (a prefill whose KV waits for its decode
+        worker); whoever detached it frees them."""
+        self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "prefilled"
+
+    def check_fits(self, seq: Sequence) -> None:
+        """Raise CacheCapacityError if `seq` could never fit in the whole cache."""
         max_len = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
         needed = self.block_manager.blocks_needed(max_len)
         if needed > self.block_manager.num_blocks:
@@ -70,8 +90,6 @@ class Scheduler:
                 num_blocks_needed=needed,
                 num_blocks_total=self.block_manager.num_blocks,
             )
-        seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -101,7 +119,7 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            reserve = self._num_reserved_blocks if self.running else 0
+            reserve = self.num_reserved_blocks if self.running else 0
             if not self.block_manager.allocate(seq, reserve):
                 break
             self.waiting.popleft()

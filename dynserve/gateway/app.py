@@ -51,25 +51,31 @@ class Gateway:
 def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> Gateway:
     """The gateway app; its lifespan connects to `workers` and starts polling their loads."""
     state = GatewayState(settings, workers, tokenizer)
-    workers._on_load = state.metrics.observe_load
-    workers._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
-    workers._on_retry = state.metrics.retries.inc
+    sets = [workers] if workers.prefill is None else [workers, workers.prefill]
+    for worker_set in sets:
+        worker_set._on_load = state.metrics.observe_load
+        worker_set._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
+        worker_set._on_retry = state.metrics.retries.inc
+    workers._on_disagg = lambda path: state.metrics.disagg_requests.labels(path).inc()
+    workers._on_fallback = lambda reason: state.metrics.disagg_fallbacks.labels(reason).inc()
     if workers.router is not None:
         state.metrics.watch_router(workers.router)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await workers.start()
-        consumer = None
-        if workers.router is not None and workers.router.mode == "kv":
-            from dynserve.events.ray_plane import connect_event_plane
+        consumers = []
+        for worker_set in sets:
+            if worker_set.router is not None and worker_set.router.mode == "kv":
+                from dynserve.events.ray_plane import connect_event_plane
 
-            plane = connect_event_plane(settings.redis_url, settings.namespace)
-            consumer = asyncio.create_task(workers.router.consume(plane, workers.snapshot), name="kv-events")
+                plane = connect_event_plane(settings.redis_url, settings.namespace)
+                consumers.append(asyncio.create_task(worker_set.router.consume(plane, workers.snapshot),
+                                                     name="kv-events"))
         try:
             yield
         finally:
-            if consumer is not None:
+            for consumer in consumers:
                 consumer.cancel()
             await workers.stop()
 

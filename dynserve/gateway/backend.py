@@ -17,6 +17,15 @@ response; it gets no new request.
 requests plus what this gateway has sent it since), streams the request from it, and, when the worker fails
 before the first token reaches the client, retries on another worker, so a dead or draining worker costs a
 retry, not a request.
+
+Disaggregated serving: a set of decode workers (`roles={"decode"}`) holds a second set, its prefill workers
+(`prefill=`), each with its own router over the same registry. `generate` then decides where the prompt is
+prefilled (`disagg.prefill_path`). Remote: the prefill set runs it `prefill_only` (retried across prefill
+workers), the decode set runs it with the returned `RemotePrefill` (retried across decode workers), and the
+prefill worker is told to release its blocks once the decode worker's first delta shows it has them (or the
+request ends, whichever is first). A prefill that fails on every prefill worker falls back to prefilling on
+the decode worker; a failed read falls back there too (the decode worker does it and says so in its first
+delta). Both are counted (`on_fallback`); the client sees neither.
 """
 
 from __future__ import annotations
@@ -28,15 +37,20 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
+import msgspec
+
 from dynserve.errors import WorkerUnavailableError
 from dynserve.events.base import EventPlane
-from dynserve.protocol import GenerateRequest, KVSnapshot, TokenDelta, WorkerInfo, WorkerLoad
+from dynserve.gateway.disagg import prefill_path
+from dynserve.protocol import GenerateRequest, KVSnapshot, RemotePrefill, TokenDelta, WorkerInfo, WorkerLoad
 from dynserve.router.router import Router
 from dynserve.workers.channel import WorkerConnection
 
 __all__ = ["WorkerSet", "membership_changes"]
 
 logger = logging.getLogger(__name__)
+
+_PREFILL = frozenset({"prefill"})
 
 
 def membership_changes(current: Mapping[str, WorkerInfo],
@@ -61,9 +75,23 @@ class WorkerSet:
         on_load: Callable[[WorkerLoad], None] | None = None,
         on_down: Callable[[WorkerInfo], None] | None = None,
         on_retry: Callable[[], None] | None = None,
+        roles: frozenset[str] | None = None,
+        prefill: WorkerSet | None = None,
+        local_prefill_tokens: int = 0,
+        max_prefill_queue: int = 8,
+        on_disagg: Callable[[str], None] | None = None,
+        on_fallback: Callable[[str], None] | None = None,
     ) -> None:
+        """`roles`: only workers of these roles are members (None: any). `prefill`: the prefill workers of a
+        disaggregated deployment (this set holds the decode workers); `local_prefill_tokens` and
+        `max_prefill_queue` decide which prompts still prefill here (see `disagg.prefill_path`)."""
+        self.roles = roles
+        infos = [info for info in infos if roles is None or info.role in roles]
         if not infos and registry is None:
             raise ValueError("a WorkerSet needs at least one worker or a registry to find them in")
+        self.prefill = prefill
+        self.local_prefill_tokens, self.max_prefill_queue = local_prefill_tokens, max_prefill_queue
+        self._on_disagg, self._on_fallback = on_disagg, on_fallback
         self.connections = {info.worker_id: WorkerConnection(info) for info in infos}  # the members
         self.router = router
         self.registry = registry
@@ -93,6 +121,8 @@ class WorkerSet:
         return self._identity
 
     async def start(self) -> None:
+        if self.prefill is not None:
+            await self.prefill.start()
         await asyncio.gather(*(self._connect(c) for c in self.connections.values()))
         if self.registry is not None:
             await self.refresh_members()
@@ -102,11 +132,15 @@ class WorkerSet:
 
     async def snapshot(self, worker_id: str) -> KVSnapshot:
         connection = self.connections.get(worker_id)
+        if connection is None and self.prefill is not None:
+            connection = self.prefill.connections.get(worker_id)
         if connection is None:
             raise WorkerUnavailableError(f"unknown worker {worker_id}", worker_id=worker_id)
         return await connection.snapshot()
 
     async def stop(self) -> None:
+        if self.prefill is not None:
+            await self.prefill.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -127,24 +161,101 @@ class WorkerSet:
 
     def pick(self, exclude: set[str], token_ids: list[int] | None = None) -> WorkerConnection | None:
         """An open member not in `exclude`: the router's choice when there is one, else the least busy."""
+        return self.pick_with_overlap(exclude, token_ids)[0]
+
+    def pick_with_overlap(self, exclude: set[str],
+                          token_ids: list[int] | None = None) -> tuple[WorkerConnection | None, int]:
+        """`pick`, and how many of the prompt's blocks the chosen worker caches (0 when no router knows)."""
         candidates = [c for wid, c in self.connections.items() if c.is_open and wid not in exclude]
         if not candidates:
-            return None
-        if self.router is not None and token_ids is not None and len(candidates) > 1:
-            chosen, _overlap = self.router.pick(token_ids, [c.worker_id for c in candidates], self.loads)
-            return self.connections[chosen]
-        return min(candidates, key=self._pending)
+            return None, 0
+        if self.router is not None and token_ids is not None and (len(candidates) > 1 or self.roles == _PREFILL):
+            chosen, overlap = self.router.pick(token_ids, [c.worker_id for c in candidates], self.loads)
+            return self.connections[chosen], overlap
+        return min(candidates, key=self._pending), 0
 
     def _pending(self, connection: WorkerConnection) -> int:
         load = self.loads.get(connection.worker_id)
         reported = load.num_running + load.num_waiting if load is not None else 0
         return max(reported, connection.num_open_streams)
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Stream `request` from the best worker, retrying elsewhere until its first delta arrives."""
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+        """Stream `request` from the best worker, retrying elsewhere until its first delta arrives; in a
+        disaggregated set, prefilled where `disagg.prefill_path` says (see the module's docstring)."""
+        if self.prefill is None:
+            return self._generate_here(request)
+        return self._generate_disaggregated(request, self.prefill)
+
+    async def _generate_disaggregated(self, request: GenerateRequest, prefill: WorkerSet) -> AsyncIterator[TokenDelta]:
+        connection, overlap_blocks = prefill.pick_with_overlap(set(), request.token_ids)
+        block_size = connection.info.block_size if connection is not None else 1
+        num_prefill = len(prefill.routable_ids())
+        path = prefill_path(
+            num_uncached_tokens=len(request.token_ids) - overlap_blocks * block_size,
+            num_prefill_waiting=sum(load.num_waiting for wid, load in prefill.loads.items()
+                                    if wid in prefill.connections),
+            num_prefill_workers=num_prefill, local_prefill_tokens=self.local_prefill_tokens,
+            max_prefill_queue=self.max_prefill_queue)
+        if self._on_disagg is not None:
+            self._on_disagg(path)
+        if path != "remote":
+            async with contextlib.aclosing(self._generate_here(request)) as stream:
+                async for delta in stream:
+                    yield delta
+            return
+        prefilled: TokenDelta | None = None
+        try:
+            async with contextlib.aclosing(prefill._generate_here(
+                    msgspec.structs.replace(request, prefill_only=True), first=connection)) as stream:
+                async for delta in stream:
+                    prefilled = delta
+        except WorkerUnavailableError as exc:  # no prefill worker could do it: the decode worker will
+            logger.warning("request %s: prefill failed on every prefill worker (%s); prefilling on a decode "
+                           "worker", request.request_id, exc)
+            if self._on_fallback is not None:
+                self._on_fallback("prefill_failed")
+        if prefilled is not None and prefilled.kv_handle is None:  # the first token ended it (stop, length)
+            yield prefilled
+            return
+        if prefilled is None:
+            async with contextlib.aclosing(self._generate_here(request)) as stream:
+                async for delta in stream:
+                    yield delta
+            return
+        handle = prefilled.kv_handle
+        assert handle is not None
+        remote = RemotePrefill(handle=handle, first_token_id=prefilled.token_ids[0],
+                               first_logprob=prefilled.logprobs[0] if prefilled.logprobs else None,
+                               num_cached_tokens=prefilled.num_cached_tokens)
+        released = False
+        try:
+            async with contextlib.aclosing(self._generate_here(
+                    msgspec.structs.replace(request, remote_prefill=remote))) as stream:
+                async for delta in stream:
+                    if not released:
+                        released = True
+                        self._release(prefill, handle.worker_id, request.request_id)
+                        if delta.kv_fallback is not None and self._on_fallback is not None:
+                            self._on_fallback(delta.kv_fallback)
+                    yield delta
+        finally:
+            if not released:
+                self._release(prefill, handle.worker_id, request.request_id)
+
+    @staticmethod
+    def _release(prefill: WorkerSet, worker_id: str, request_id: str) -> None:
+        connection = prefill.connections.get(worker_id)
+        if connection is not None:
+            with contextlib.suppress(WorkerUnavailableError):
+                connection.release(request_id)
+
+    async def _generate_here(self, request: GenerateRequest,
+                             first: WorkerConnection | None = None) -> AsyncIterator[TokenDelta]:
+        """Stream `request` from one of this set's workers (`first` if given), retrying elsewhere until its
+        first delta arrives."""
         tried: set[str] = set()
         while True:
-            connection = self.pick(tried, request.token_ids)
+            connection, first = first or self.pick(tried, request.token_ids), None
             if connection is None:
                 raise WorkerUnavailableError(
                     f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
@@ -183,6 +294,8 @@ class WorkerSet:
         except Exception as exc:  # keep the members we have: a registry blip must not empty the gateway
             logger.warning("cannot read the worker registry: %s", exc)
             return
+        if self.roles is not None:
+            listed = [info for info in listed if info.role in self.roles]
         added, removed = membership_changes({w: c.info for w, c in self.connections.items()}, listed)
         for worker_id in removed:
             self._leave(worker_id)

@@ -53,6 +53,14 @@ class GatewayMetrics:
                                 ["reason"], registry=registry)
         self.retries = Counter("dynserve_worker_retries", "Requests re-sent to another worker after a failure",
                                registry=registry)
+        self.disagg_requests = Counter(
+            "dynserve_disagg_requests", "Disaggregated serving: requests by where their prompt was prefilled "
+            "(remote: on a prefill worker; short_prompt, prefill_queue, no_prefill_worker: on the decode worker, "
+            "and why)", ["path"], registry=registry)
+        self.disagg_fallbacks = Counter(
+            "dynserve_disagg_fallbacks", "Disaggregated serving: requests prefilled on their decode worker after "
+            "the remote prefill failed (prefill_failed) or its KV could not be read (transfer_error, "
+            "transfer_timeout, no_blocks)", ["reason"], registry=registry)
         labels = ["worker_id", "role"]
         self.blocks_used = Gauge("dynserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=registry)
         self.blocks_total = Gauge("dynserve_worker_kv_blocks_total", "KV blocks allocated", labels,

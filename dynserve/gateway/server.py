@@ -22,7 +22,7 @@ from dynserve.hashing import model_salt
 from dynserve.protocol import WorkerInfo
 from dynserve.router.router import Router
 
-__all__ = ["GatewayServer", "make_gateway_app", "serve_app", "serve_app_async"]
+__all__ = ["GatewayServer", "make_disaggregated_workers", "make_gateway_app", "serve_app", "serve_app_async"]
 
 
 def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None, *,
@@ -31,9 +31,31 @@ def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tok
     With several workers, requests are routed by `settings.router` (the kv mode reads the event plane).
     With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerSet`)."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
+    if settings.prefill_workers > 0 or any(info.role == "prefill" for info in infos):
+        return build_app(settings, make_disaggregated_workers(settings, infos, registry), tokenizer)
     router = make_router(settings, infos, dynamic=registry is not None)
     workers = WorkerSet(infos, router=router, registry=registry, registry_interval_s=settings.registry_interval_s)
     return build_app(settings, workers, tokenizer)
+
+
+def make_disaggregated_workers(settings: Settings, infos: list[WorkerInfo],
+                               registry: EventPlane | None = None) -> WorkerSet:
+    """The decode workers among `infos` (or the registry), holding the prefill workers as their `prefill`
+    set, each routed by `settings.router` (see `WorkerSet`)."""
+    if not infos:
+        raise ValueError("a disaggregated gateway needs the info of at least one started worker")
+    prefill_infos = [info for info in infos if info.role == "prefill"]
+    decode_infos = [info for info in infos if info.role != "prefill"]
+
+    def router() -> Router:
+        return Router.from_settings(settings, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id))
+
+    prefill = WorkerSet(prefill_infos, router=router(), registry=registry, roles=frozenset({"prefill"}),
+                        registry_interval_s=settings.registry_interval_s)
+    return WorkerSet(decode_infos, router=router(), registry=registry, roles=frozenset({"decode", "both"}),
+                     registry_interval_s=settings.registry_interval_s, prefill=prefill,
+                     local_prefill_tokens=settings.disagg_local_prefill_tokens,
+                     max_prefill_queue=settings.disagg_max_prefill_queue)
 
 
 def make_router(settings: Settings, infos: list[WorkerInfo], *, dynamic: bool = False) -> Router | None:

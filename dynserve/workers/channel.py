@@ -31,6 +31,7 @@ from dynserve.protocol import (
     GenerateRequest,
     KVSnapshot,
     LoadRequest,
+    ReleaseRequest,
     RequestError,
     SnapshotRequest,
     TokenDelta,
@@ -77,6 +78,8 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
+    if deltas[0].kv_fallback is not None:  # only a first delta says it; keep it through the merge
+        last = msgspec.structs.replace(last, kv_fallback=deltas[0].kv_fallback)
     logprobs = None
     if any(d.logprobs for d in deltas):
         logprobs = [lp for d in deltas for lp in (d.logprobs or [])]
@@ -178,6 +181,12 @@ class WorkerConnection:
         except TimeoutError as exc:
             raise WorkerUnavailableError(f"worker {self.worker_id} did not {what} within {timeout_s} s",
                                          worker_id=self.worker_id) from exc
+
+    def release(self, request_id: str) -> None:
+        """Tell a prefill worker to free the KV it holds for `request_id`; harmless if it holds none or the
+        connection is gone (its lease runs out instead)."""
+        if self.is_open:
+            self._send(ReleaseRequest(request_id))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; harmless if it already finished or the connection is gone."""

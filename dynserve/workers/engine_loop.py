@@ -10,6 +10,10 @@ threads talk to it through a command queue (`submit`, `abort`, `stop`), and the 
 queue when the engine is idle, so an idle worker costs no CPU. After every engine step the deltas are
 grouped by the `Sink` that owns each request and delivered with one `call_soon_threadsafe` per step.
 
+KV reads for requests prefilled elsewhere (`EngineCore.drain_receives`) run on a small thread pool through
+the worker's `kv_reader`, so the engine keeps stepping other requests while pages arrive; each read's end
+comes back as a command. While prefills are held under lease, an idle loop wakes when the oldest ends.
+
 Invariants: every submitted request ends with exactly one finished delta or one error at its sink, unless
 it was aborted (an aborted request ends silently, its blocks freed before the next step); if the engine
 itself fails, every open request gets a retryable error and the loop stops.
@@ -29,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from dynserve.engine.core import EngineCore
-from dynserve.errors import InvalidRequestError
+from dynserve.engine.core import EngineCore, ReceivePlan
+from dynserve.errors import InvalidRequestError, KVTransferTimeoutError
 from dynserve.protocol import GenerateRequest, KVEvent, RequestError, RequestTiming, TokenDelta
 
 __all__ = ["EngineLoop", "Sink"]
@@ -59,19 +63,37 @@ class _Stop:
     pass
 
 
+@dataclass(slots=True, frozen=True)
+class _Received:
+    request_id: str
+    failure: str | None
+
+
+@dataclass(slots=True, frozen=True)
+class _Release:
+    request_id: str
+
+
 @dataclass(slots=True)
 class _Call:
     fn: Callable[[EngineCore], object]
     future: concurrent.futures.Future[object]
 
 
-_Command = tuple[GenerateRequest, Sink, float] | str | _Stop | _Call
+_Command = tuple[GenerateRequest, Sink, float] | str | _Stop | _Call | _Received | _Release
+KVReader = Callable[[ReceivePlan], None]
+_MAX_CONCURRENT_READS = 4
 
 
 class EngineLoop:
     def __init__(self, build: Callable[[], EngineCore], *, name: str = "engine", nice: int = 0,
-                 on_kv_events: Callable[[list[KVEvent]], None] | None = None) -> None:
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+                 kv_reader: KVReader | None = None) -> None:
+        """`kv_reader(plan)` reads a remote prefill's blocks (on a pool thread), raising KVTransferError when
+        it cannot; without one, such requests prefill here."""
         self._build = build
+        self.kv_reader = kv_reader
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         self._on_kv_events = on_kv_events  # called on the asyncio loop with each step's KV events, in order
         self._nice = nice
         self._built = threading.Event()
@@ -103,6 +125,10 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(request_id)
 
+    def release(self, request_id: str) -> None:
+        """Free the KV a prefill-only request holds for its decode worker."""
+        self._commands.put(_Release(request_id))
+
     def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future[object]:
         """Run `fn(engine)` on the engine thread between steps (e.g. a prefix-cache reset or snapshot)."""
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
@@ -113,6 +139,8 @@ class EngineLoop:
         self._commands.put(_Stop())
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        if self._readers is not None:
+            self._readers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def is_alive(self) -> bool:
@@ -143,7 +171,10 @@ class EngineLoop:
         finally:
             self._built.set()
         try:
-            while self._apply_commands(block=not engine.has_unfinished_requests()):
+            while self._apply_commands(block=not engine.has_unfinished_requests(), wake_s=engine.next_lease_end_s):
+                self._start_receives(engine)
+                if engine.num_leases:
+                    engine.expire_leases(time.monotonic())
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
                 self._forward_kv_events(engine)
@@ -175,17 +206,59 @@ class EngineLoop:
         if errors:
             self._call(lambda: [sink.fail(error) for sink, error in errors])
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when `block`); False once asked to stop."""
+    def _start_receives(self, engine: EngineCore) -> None:
+        for plan in engine.drain_receives():
+            if plan.fallback is not None or not plan.local_block_ids or self.kv_reader is None:
+                failure = plan.fallback or (None if not plan.local_block_ids else "transfer_error")
+                self._deliver_first(engine, plan.request_id, failure)
+                continue
+            if self._readers is None:
+                self._readers = concurrent.futures.ThreadPoolExecutor(_MAX_CONCURRENT_READS, "kv-read")
+            self._readers.submit(self._read, plan)
+
+    def _read(self, plan: ReceivePlan) -> None:
+        """On a pool thread: read one request's KV, then hand the outcome to the engine thread."""
+        assert self.kv_reader is not None
+        failure = None
+        try:
+            self.kv_reader(plan)
+        except KVTransferTimeoutError as exc:
+            logger.warning("request %s: KV read timed out (%s); prefilling locally", plan.request_id, exc)
+            failure = "transfer_timeout"
+        except Exception as exc:  # any failure to get the pages costs a local prefill, never the request
+            logger.warning("request %s: KV read failed (%s); prefilling locally", plan.request_id, exc)
+            failure = "transfer_error"
+        self._commands.put(_Received(plan.request_id, failure))
+
+    def _deliver_first(self, engine: EngineCore, request_id: str, failure: str | None) -> None:
+        delta = engine.complete_receive(request_id, failure)
+        if delta is not None:
+            self._deliver([delta])
+
+    def _apply_commands(self, block: bool, wake_s: float | None = None) -> bool:
+        """Apply queued commands (waiting for one when `block`, until `wake_s` at most); False once asked to
+        stop."""
         errors: list[tuple[Sink, RequestError]] = []
         try:
-            command = self._commands.get(timeout=None) if block else self._commands.get_nowait()
+            if block:
+                timeout_s = None if wake_s is None else max(0.0, wake_s - time.monotonic())
+                command = self._commands.get(timeout=timeout_s)
+            else:
+                command = self._commands.get_nowait()
             while True:
                 if isinstance(command, _Stop):
                     return False
                 if isinstance(command, str):
                     if self._open.pop(command, None) is not None and self.engine is not None:
                         self.engine.abort(command)
+                    elif self.engine is not None:
+                        self.engine.release(command)  # a prefill held for a decode worker that is gone
+                elif isinstance(command, _Received):
+                    if self.engine is not None:
+                        self._deliver_first(self.engine, command.request_id, command.failure)
+                elif isinstance(command, _Release):
+                    if self.engine is not None:
+                        self.engine.release(command.request_id)
                 elif isinstance(command, _Call):
                     _run_call(command, self.engine)
                 else:
@@ -202,7 +275,8 @@ class EngineLoop:
              errors: list[tuple[Sink, RequestError]]) -> None:
         assert self.engine is not None
         try:
-            self.engine.add_request(request.token_ids, request.params, request.request_id)
+            self.engine.add_request(request.token_ids, request.params, request.request_id,
+                                    prefill_only=request.prefill_only, remote=request.remote_prefill)
         except InvalidRequestError as exc:
             errors.append((sink, RequestError(request_id=request.request_id, message=str(exc), param=exc.param)))
             return

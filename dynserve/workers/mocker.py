@@ -44,11 +44,12 @@ import msgspec
 import xxhash
 
 from dynserve.config import Settings
-from dynserve.engine.core import EngineCore, StepSamples, is_decode
+from dynserve.engine.core import EngineCore, ReceivePlan, StepSamples, is_decode
 from dynserve.engine.loader import model_id_of, resolve_model_path
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 from dynserve.engine.tokenizer import Tokenizer
+from dynserve.errors import KVTransferTimeoutError
 from dynserve.protocol import SamplingParams, TokenDelta, TokenLogprob
 from dynserve.workers.mocker_profiles import MockerProfile, StepWork, get_profile
 
@@ -103,12 +104,31 @@ class MockEngine(EngineCore):
         self._clock_s = 0.0
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, **kwargs: Any) -> str:
         params = params or SamplingParams()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if params.seed is None and params.greedy:  # a greedy answer depends on the prompt alone
             params = msgspec.structs.replace(params, seed=hash(tuple(token_ids)) & _SEED_MASK)
-        return super().add_request(token_ids, params, request_id)
+        return super().add_request(token_ids, params, request_id, **kwargs)
+
+    def transfer_time_s(self, num_blocks: int) -> float:
+        """How long reading `num_blocks` KV blocks from a prefill worker takes on the profile's hardware,
+        after the speedup."""
+        size_bytes = num_blocks * self.block_manager.block_size * self.profile.kv_bytes_per_token
+        return self.profile.transfer_time_ms(size_bytes) / 1e3 / self.speedup
+
+    def simulate_read(self, plan: ReceivePlan) -> None:
+        """A mocker's KV read (there are no pages to move): takes the profile's transfer time; past
+        `transfer_timeout_s` it fails as a real read would."""
+        duration_s = self.transfer_time_s(len(plan.local_block_ids))
+        timeout_s = self.settings.transfer_timeout_s
+        if duration_s > timeout_s:
+            time.sleep(timeout_s)
+            raise KVTransferTimeoutError(
+                f"reading {len(plan.local_block_ids)} blocks from {plan.source_worker_id!r} took over {timeout_s:g} s",
+                backend="mocker", peer=plan.source_worker_id, num_blocks=len(plan.local_block_ids),
+                timeout_s=timeout_s, elapsed_s=timeout_s, cancelled=True)
+        time.sleep(duration_s)
 
     def step(self) -> list[TokenDelta]:
         self._step_started_s = time.monotonic()

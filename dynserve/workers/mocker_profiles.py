@@ -53,6 +53,12 @@ class MockerProfile:
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    kv_transfer_gbps: float  # KV bytes a decode worker reads from a prefill worker per second (1e9 B/s)
+    kv_transfer_fixed_ms: float  # per read: posting it, completion, the release message
+
+    def transfer_time_ms(self, size_bytes: int) -> float:
+        """Modelled wall time of reading `size_bytes` of KV pages from a prefill worker."""
+        return self.kv_transfer_fixed_ms + size_bytes / (self.kv_transfer_gbps * 1e9) * 1e3
 
     def step_time_ms(self, work: StepWork) -> float:
         """Modelled wall time of one step; 0 for a step that computes nothing."""
@@ -104,6 +110,10 @@ CPU = MockerProfile(
     max_model_len=8192,
     max_num_seqs=64,  # Settings defaults
     max_num_batched_tokens=1024,
+    # NIXL over UCX (cma) between two workers on this host, CPU memory: benchmarks.kv_transfer read 16 MiB
+    # batches at 3-5 GB/s (0.7-0.8x of a memcpy); about 0.5 ms per read for posting and completion.
+    kv_transfer_gbps=4.0,
+    kv_transfer_fixed_ms=0.5,
 )
 
 # ---- H100 profiles: derived from specs, cross-checked with published figures ----------------------------
@@ -120,6 +130,10 @@ CPU = MockerProfile(
 # weights and about 4 GiB of activations and CUDA graphs, per GPU. Scheduler limits: vLLM's serving defaults
 # on GPUs with >= 70 GiB other than the A100 (vllm/engine/arg_utils.py, get_batch_defaults): 8192 batched
 # tokens, 1024 sequences.
+# KV transfer: prefill and decode workers on different nodes, pages read GPU to GPU by RDMA (NIXL over UCX)
+# through one 400 Gb/s ConnectX-7 NIC per GPU (the DGX H100 design): 50 GB/s per GPU at line rate, taken at
+# 80% = 40 GB/s per GPU, the TP ranks reading their own KV shards in parallel; plus about 1 ms per read for
+# posting, completion and the release message.
 
 # Llama-3.1-8B-Instruct, BF16, TP1: 8.03e9 params (16.06 GB), 32 layers, 32 heads x 128, 8 KV heads.
 #   fixed:   16.06e9 / 2.51e12                  = 6.39 ms
@@ -145,6 +159,8 @@ LLAMA_8B_H100 = MockerProfile(
     max_model_len=131072,
     max_num_seqs=1024,
     max_num_batched_tokens=8192,
+    kv_transfer_gbps=40.0,  # see "KV transfer" above
+    kv_transfer_fixed_ms=1.0,
 )
 
 # Llama-3.1-70B-Instruct, BF16, TP4: 70.6e9 params (141.1 GB, 35.3 GB per GPU), 80 layers, 64 heads x 128,
@@ -173,6 +189,8 @@ LLAMA_70B_H100_TP4 = MockerProfile(
     max_model_len=131072,
     max_num_seqs=1024,
     max_num_batched_tokens=8192,
+    kv_transfer_gbps=160.0,  # see "KV transfer" above: 4 GPUs, each over its own NIC
+    kv_transfer_fixed_ms=1.0,
 )
 
 PROFILES: dict[str, MockerProfile] = {p.name: p for p in (CPU, LLAMA_8B_H100, LLAMA_70B_H100_TP4)}

@@ -6,7 +6,11 @@ actor's event loop and returns a `WorkerInfo` with its address. `generate()` is 
 streaming generator for callers that hold only the actor handle; both paths feed the same `EngineLoop`.
 
 Roles: `both` (aggregated), `prefill`, `decode`; the role labels the worker's load and metrics, and the
-pools and routers use it to pick workers.
+pools and routers use it to pick workers. A prefill or decode worker with a model also owns a KV transfer
+connector (`kv_transfer/`) over its engine's KV cache: a prefill worker publishes the connector's metadata
+in its `WorkerInfo` (so in the registry); a decode worker reads prefilled pages with it, finding a prefill
+worker's metadata in the registry the first time it meets that worker. A mocker's reads are simulated
+(`MockEngine.simulate_read`). A read that fails costs a local prefill (`EngineLoop`), never the request.
 
 Draining (`drain`): the worker refuses new requests (retryable, so a gateway that has not yet seen it leave
 retries elsewhere), leaves the registry, lets its in-flight requests finish, then closes its channels after
@@ -30,7 +34,8 @@ from typing import Any, Literal
 import msgspec
 
 from dynserve.config import Settings
-from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.errors import ChannelError, InvalidRequestError, KVTransferError, KVTransferTimeoutError, \
+    WorkerUnavailableError
 from dynserve.protocol import (
     AbortRequest,
     ClientFrame,
@@ -39,6 +44,7 @@ from dynserve.protocol import (
     RequestError,
     KVEvent,
     KVSnapshot,
+    ReleaseRequest,
     RequestTiming,
     SamplingParams,
     SnapshotRequest,
@@ -122,6 +128,10 @@ class EngineWorker:
                                   nice=settings.engine_nice if on_cpu else 0,
                                   on_kv_events=self._queue_kv_events if publish_events else None)
         self.engine = self._runner.start()  # loads the model on the engine's own thread
+        self.connector: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if role != "both":
+            self._setup_transfer()
         self._server: asyncio.Server | None = None
         self._info: WorkerInfo | None = None
         self._draining = False
@@ -130,16 +140,80 @@ class EngineWorker:
         self._writers: set[asyncio.StreamWriter] = set()
         self._num_ray_streams = 0
 
+    def _setup_transfer(self) -> None:
+        """Give the engine its identity as a KV source and the loop its KV reader (see the module doc)."""
+        self.engine.kv_source_id = self.worker_id
+        if self._settings.mocker is not None:
+            self._runner.kv_reader = self._read_simulated
+            return
+        import uuid
+
+        from dynserve.kv_transfer import make_connector
+
+        # a restarted worker keeps its id but is a new agent: peers must not reuse the old connection
+        self.connector = make_connector(self._settings, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")
+        self.connector.register_kv_cache(self.engine.runner.kv_cache)
+        self.engine.kv_agent_name = self.connector.agent_name
+        self._runner.kv_reader = self._read_kv
+
+    def _injected_fault(self, plan: Any) -> None:
+        fault = self._settings.transfer_fault
+        if fault == "error":
+            raise KVTransferError("injected transfer fault", backend="fault-injection", peer=plan.source_worker_id,
+                                  num_blocks=len(plan.local_block_ids))
+        if fault == "timeout":
+            import time
+
+            timeout_s = self._settings.transfer_timeout_s
+            time.sleep(timeout_s)
+            raise KVTransferTimeoutError(
+                "injected transfer stall", backend="fault-injection", peer=plan.source_worker_id,
+                num_blocks=len(plan.local_block_ids), timeout_s=timeout_s, elapsed_s=timeout_s, cancelled=True)
+
+    def _read_simulated(self, plan: Any) -> None:
+        self._injected_fault(plan)
+        self.engine.simulate_read(plan)
+
+    def _read_kv(self, plan: Any) -> None:
+        """On a read thread: the prefill worker's blocks into ours, meeting that worker first if needed."""
+        self._injected_fault(plan)
+        peer = plan.agent_name
+        if peer is None:
+            raise KVTransferError(f"worker {plan.source_worker_id} offers no transfer agent", backend="none")
+        if peer not in self.connector.peers:
+            self._meet(plan.source_worker_id, peer)
+        try:
+            self.connector.read_blocks(peer, plan.remote_block_ids, plan.local_block_ids)
+        except KVTransferError:
+            self.connector.remove_peer(peer)  # reconnect next time: the peer may have restarted
+            raise
+
+    def _meet(self, worker_id: str, agent_name: str) -> None:
+        """Add the transfer agent of `worker_id` as a peer, from its record in the registry."""
+        if self._plane is None or self._loop is None:
+            raise KVTransferError("this worker has no registry to find its peers in", backend=self.connector.backend,
+                                  peer=agent_name)
+        listed = asyncio.run_coroutine_threadsafe(self._plane.workers(), self._loop).result(timeout=5.0)
+        info = next((i for i in listed if i.worker_id == worker_id and i.kv_agent is not None), None)
+        if info is None or info.kv_agent is None:
+            raise KVTransferError(f"worker {worker_id} is not in the registry", backend=self.connector.backend,
+                                  peer=agent_name)
+        if self.connector.add_peer(info.kv_agent) != agent_name:
+            raise KVTransferError(f"worker {worker_id} now runs another transfer agent",
+                                  backend=self.connector.backend, peer=agent_name)
+
     async def start(self) -> WorkerInfo:
         if self._info is not None:
             return self._info
-        self._runner.attach(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self._runner.attach(self._loop)
         self._server = await asyncio.start_server(self._serve_connection, self.host, 0)
         port = self._server.sockets[0].getsockname()[1]
         self._info = WorkerInfo(
             worker_id=self.worker_id, role=self.role, host=self.host, port=port, model_id=self.engine.model_id,
             max_model_len=self.engine.max_model_len, block_size=self.engine.block_manager.block_size,
             num_blocks=self.engine.block_manager.num_blocks,
+            kv_agent=self.connector.metadata() if self.connector is not None and self.role == "prefill" else None,
         )
         logger.info("worker %s (%s) serving %s on %s:%d", self.worker_id, self.role, self.engine.model_id,
                     self.host, port)
@@ -196,7 +270,7 @@ class EngineWorker:
         return WorkerLoad(
             worker_id=self.worker_id, role=self.role, num_blocks_used=blocks.num_used_blocks,
             num_blocks_total=blocks.num_blocks, num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + self.engine.num_receiving,
         )
 
     def is_healthy(self) -> bool:
@@ -279,6 +353,8 @@ class EngineWorker:
         for task in self._background:
             task.cancel()
         await asyncio.to_thread(self._runner.stop)
+        if self.connector is not None:
+            self.connector.close()
 
     # ---- the channel ---------------------------------------------------------------------------------
 
@@ -301,6 +377,8 @@ class EngineWorker:
                 elif isinstance(frame, AbortRequest):
                     sink.open_request_ids.discard(frame.request_id)
                     self.abort(frame.request_id)
+                elif isinstance(frame, ReleaseRequest):
+                    self._runner.release(frame.request_id)
                 elif isinstance(frame, SnapshotRequest):
                     asyncio.create_task(self._send_snapshot(sink))
                 else:
