@@ -133,15 +133,16 @@ def client(gateway: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def make_mocker(ray_instance: Any) -> Any:
-    """Start a mocker worker actor: make_mocker("m0", mocker_speedup=10, kv_blocks=256) -> (handle, WorkerInfo).
+    """Start a mocker worker actor: make_mocker("m0", mocker_speedup=10, kv_blocks=256) -> (handle, WorkerInfo);
+    `role="prefill"` or `"decode"` for disaggregated serving.
     Mockers publish their KV events on the embedded event plane; all are killed at the end of the session."""
     from dynserve.workers.mocker import launch_mocker
 
     handles = []
 
-    def factory(worker_id: str, **overrides: Any) -> tuple[Any, Any]:
+    def factory(worker_id: str, role: str = "both", **overrides: Any) -> tuple[Any, Any]:
         settings = Settings(**{"mocker": "cpu", "kv_blocks": 512, **overrides})
-        handle, info_ref = launch_mocker(settings, worker_id, publish_events=True)
+        handle, info_ref = launch_mocker(settings, worker_id, role=role, publish_events=True)
         handles.append(handle)
         return handle, ray_instance.get(info_ref, timeout=120)
 

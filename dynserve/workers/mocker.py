@@ -184,8 +184,8 @@ def _drawable_token_ids(tokenizer: Tokenizer, skipped_ids: set[int] | frozenset[
     return tuple(i for i in range(tokenizer.vocab_size) if i not in skipped_ids)
 
 
-def launch_mocker(settings: Settings, worker_id: str, *, profile: str | None = None, speedup: float | None = None,
-                  publish_events: bool = False) -> tuple[Any, Any]:
+def launch_mocker(settings: Settings, worker_id: str, *, role: str = "both", profile: str | None = None,
+                  speedup: float | None = None, publish_events: bool = False) -> tuple[Any, Any]:
     """Start a mocker worker actor (`launch_worker` with the mocker engine and a tiny CPU reservation);
     returns (actor handle, ObjectRef of its `WorkerInfo`). Ray must be initialized."""
     from dynserve.workers.worker import launch_worker
@@ -193,7 +193,8 @@ def launch_mocker(settings: Settings, worker_id: str, *, profile: str | None = N
     update: dict[str, Any] = {"mocker": profile or settings.mocker or "cpu"}
     if speedup is not None:
         update["mocker_speedup"] = speedup
-    return launch_worker(settings.model_copy(update=update), worker_id, publish_events=publish_events)
+    return launch_worker(settings.model_copy(update=update), worker_id, role,  # type: ignore[arg-type]
+                         publish_events=publish_events)
 
 
 # ---- standalone: one mocker behind our gateway, as an OpenAI-compatible server ---------------------------
