@@ -300,3 +300,34 @@ def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
         code, rest = _stop(process)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 0 and "stopped" in rest
+
+
+def test_dynctl_serve_mocker_disaggregated() -> None:
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    dynctl = str(Path(sys.executable).parent / "dynctl")
+    process = subprocess.Popen([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--prefill-workers",
+                                "1", "--decode-workers", "1", "--disagg-local-prefill-tokens", "0", "--port", "0"],
+                               env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = _wait_for_line(process, '"messages"', 120)
+        port = int(re.search(r"http://[^/\s]+:(\d+)/v1", banner).group(1))  # type: ignore[union-attr]
+        assert "1 prefill + 1 decode mocker workers" in banner
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"] == ["d-0"]
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        assert 'dynserve_disagg_requests_total{path="remote"} 1.0' in metrics
+    finally:
+        code, rest = _stop(process)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert code == 0 and "stopped" in rest
+
+
+def test_dynctl_serve_refuses_prefill_workers_without_decode_workers() -> None:
+    dynctl = str(Path(sys.executable).parent / "dynctl")
+    done = subprocess.run([dynctl, "serve", "--mocker", "cpu", "--prefill-workers", "1"], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and "decode" in done.stderr
