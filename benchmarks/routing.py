@@ -29,20 +29,20 @@ The load generator is this process. The last stdout line is the JSON result; a c
 `benchmarks/results/routing-<timestamp>.json`. `--quick` (about 95 s on a quiet machine; the full run about
 175 s) plays 16 conversations of 5 turns instead of 48 of 6.
 
-Measured here (2 cores, load average about 2; TTFT p50 ms, cache hit, history hit):
+Measured here (2 cores, load average about 2; TTFT p50 ms (p90), cache hit, history hit), quick:
 
-    full    kv 257, 0.67, 0.41     rr 306, 0.53, 0.14     sglang 97, 0.94, 1.00    rr/kv 1.19
-    quick   kv  91, 0.81, 0.86     rr 274, 0.44, 0.14     sglang 73, 0.91, 1.00    rr/kv 3.00
-    full, another run: kv 264, kv:4 102 (history hit 0.88), rr 300, sglang 106: rr/kv:4 2.9
+    overlap weight 4, hot-spot guard 1.5 / 256 blocks:  kv 66 (512), 0.72, 0.72   sglang 64 (97), 0.91, 1.00
+    guard 2.0 / 1024 blocks, weight 4:                  kv 62 (128), 0.89, 0.97   rr 275 (562), 0.44, 0.13
+    guard 2.0 / 1024 blocks, weight 8 (the defaults):   kv 62 (94),  0.91, 1.00   sglang 65 (99), 0.91, 1.00
 
-With the default overlap weight (1) the kv router leaves a conversation's worker whenever that worker has
-one request more in flight than another: a request in flight counts all its KV (about 100 blocks for a
-1,500-token chat), a follow-up turn saves only its history since the system prompt (12-60 blocks), and the
-system prompt itself (38 blocks) is cached on every worker after a while. At light load (quick) it stays
-more often, hence the spread between runs. sglang's cache_aware policy never balances at these loads (its
-threshold is 64 requests of difference): it keeps every conversation, and every system prompt, on one
-worker, so half the workers sit idle; TTFT does not suffer at this load, decode does (e2e p50 4.5 s against
-4.0 s for kv).
+A request in flight counts all its KV in the load term (about 100 blocks for a 1,500-token chat), while a
+follow-up turn saves only its history since the system prompt (12-60 blocks): at weight 1 the router left a
+conversation's worker whenever that worker had one request more in flight than another (history hit 0.41),
+and the old hot-spot guard (max over mean active blocks above 1.5 with 256 blocks) fired with three
+requests on one worker of eight. sglang's cache_aware policy never balances at these loads (its threshold
+is 64 requests of difference): it keeps every conversation, and every system prompt, on one worker, so
+half the workers sit idle; TTFT does not suffer at this load, decode does (e2e p50 2.9 s against 2.6 s for
+kv at weight 8).
 """
 
 from __future__ import annotations

@@ -76,19 +76,23 @@ class Settings(BaseSettings):
         "approximate: from where it sent earlier prompts) and load, or a baseline",
         json_schema_extra=_CLUSTER)
     # A block to prefill costs the new request far more time than a block another request holds while it
-    # decodes; at 1 the load term won and follow-up turns left the worker holding their history (benchmarks.
-    # routing: back on it 41% of the time at 1, 88% at 4; TTFT p50 257 -> ~100 ms).
-    overlap_weight: float = Field(4.0, ge=0, description="kv router: weight of blocks to prefill against load "
+    # decodes. benchmarks.routing (multi-turn chats on 8 mockers): at 1, follow-up turns went back to the
+    # worker holding their history 41% of the time; at 4, 72%; at 8 (with the hot-spot guard below), 100%,
+    # TTFT p50 62 ms (p90 94) against round robin's 275 (562) and sglang-router cache_aware's 65 (99).
+    overlap_weight: float = Field(8.0, ge=0, description="kv router: weight of blocks to prefill against load "
                                   "(blocks in flight)", json_schema_extra=_CLUSTER)
     router_temperature: float = Field(0.0, ge=0, description="kv router: 0 picks the cheapest worker, more "
                                       "samples among near-equal ones", json_schema_extra=_CLUSTER)
+    # The guard is for a popular prefix piling up on one worker, not for the imbalance a few requests make:
+    # at 1.5 and 256 blocks it fired with 3 requests on a worker of 8 (10 in flight) and moved 28% of the
+    # follow-up turns off the worker holding their history (benchmarks.routing: TTFT p90 512 ms -> 94 ms).
     router_hot_spot_ratio: float = Field(
-        1.5, gt=1, description="kv/approximate router: when the busiest candidate has more than this times "
+        2.0, gt=1, description="kv/approximate router: when the busiest candidate has more than this times "
         "the mean active blocks (and at least router_hot_spot_min_blocks), pick the least loaded whatever it "
         "caches",
         json_schema_extra=_CLUSTER)
     router_hot_spot_min_blocks: int = Field(
-        256, ge=0, description="kv/approximate router: no hot spot while the busiest candidate has fewer "
+        1024, ge=0, description="kv/approximate router: no hot spot while the busiest candidate has fewer "
         "active blocks than this", json_schema_extra=_CLUSTER)
     router_approx_ttl_s: float = Field(
         120.0, gt=0, description="approximate router: forget a prompt's blocks this long after it last "

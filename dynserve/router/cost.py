@@ -14,7 +14,7 @@ load term pushes back. When the candidates' load is lopsided,
     max(active) >= hot_spot_min_blocks  and  max(active) / mean(active) > hot_spot_ratio   (active blocks),
 
 load wins over cache: the least loaded candidate is picked (ties: more overlap, then the earliest). The
-ratio can not exceed the number of candidates (with 2 workers, 1.5 means the busier one carries more than
+ratio can not exceed the number of candidates (with 2 workers, 1.5 would mean the busier one carries more than
 3x the other's load), so a ratio at or above the worker count turns the guard off.
 
 `choose` is the decision the router makes; `costs` + `select` are its plain definition, which `choose`
@@ -42,8 +42,8 @@ class RoutingPolicy:
 
     overlap_weight: float = 1.0
     temperature: float = 0.0
-    hot_spot_ratio: float = 1.5
-    hot_spot_min_blocks: int = 256
+    hot_spot_ratio: float = 2.0
+    hot_spot_min_blocks: int = 1024
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0 or self.hot_spot_min_blocks < 0:

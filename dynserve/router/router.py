@@ -56,8 +56,8 @@ class RouterObserver(Protocol):
 
 class Router:
     def __init__(self, mode: RouterMode, *, block_size: int, salt: int, overlap_weight: float = 1.0,
-                 temperature: float = 0.0, seed: int = 0, hot_spot_ratio: float = 1.5,
-                 hot_spot_min_blocks: int = 256, approx_ttl_s: float = 120.0, approx_max_blocks: int = 65_536,
+                 temperature: float = 0.0, seed: int = 0, hot_spot_ratio: float = 2.0,
+                 hot_spot_min_blocks: int = 1024, approx_ttl_s: float = 120.0, approx_max_blocks: int = 65_536,
                  clock: Callable[[], float] = time.monotonic) -> None:
         """`clock` times the approximate memory's TTL (tests pass a fake one)."""
         if mode not in ROUTER_MODES:
