@@ -69,8 +69,8 @@ class Settings(BaseSettings):
         "prefill router's view of the prefill workers' caches) is prefilled on its decode worker",
         json_schema_extra=_CLUSTER)
     disagg_max_prefill_queue: int = Field(
-        8, ge=0, description="disaggregated serving: while the prefill workers report more waiting requests "
-        "than this per worker, prompts are prefilled on their decode worker", json_schema_extra=_CLUSTER)
+        2, ge=0, description="disaggregated serving: while the prefill workers have this many requests each "
+        "queued or running, further prompts are prefilled on their decode worker", json_schema_extra=_CLUSTER)
     router: Literal["kv", "approximate", "round_robin", "random", "least_loaded"] = Field(
         "kv", description="how the gateway picks a worker: prefix-cache overlap (from KV events, or "
         "approximate: from where it sent earlier prompts) and load, or a baseline",

@@ -37,16 +37,16 @@ PROMPTS = [
 
 # ---- the decision ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("uncached", "waiting", "workers", "path"), [
+@pytest.mark.parametrize(("uncached", "queued", "workers", "path"), [
     (1000, 0, 2, "remote"),
     (100, 0, 2, "short_prompt"),
-    (1000, 17, 2, "prefill_queue"),
-    (1000, 16, 2, "remote"),
+    (1000, 4, 2, "prefill_queue"),
+    (1000, 3, 2, "remote"),
     (1000, 0, 0, "no_prefill_worker"),
 ])
-def test_prefill_path(uncached: int, waiting: int, workers: int, path: str) -> None:
-    assert prefill_path(num_uncached_tokens=uncached, num_prefill_waiting=waiting, num_prefill_workers=workers,
-                        local_prefill_tokens=512, max_prefill_queue=8) == path
+def test_prefill_path(uncached: int, queued: int, workers: int, path: str) -> None:
+    assert prefill_path(num_uncached_tokens=uncached, num_prefill_queued=queued, num_prefill_workers=workers,
+                        local_prefill_tokens=512, max_prefill_queue=2) == path
 
 
 # ---- engines, in process ---------------------------------------------------------------------------------
@@ -291,7 +291,7 @@ def test_no_block_leaks_after_200_requests_with_random_cancellations(mock_prefil
     handle, decode = make_mocker("md-leak", "decode", mocker_speedup=50, **MOCK)
     try:
         server = make_gateway(infos=[mock_prefill[1], decode], namespace=MOCK["namespace"],
-                              disagg_local_prefill_tokens=0)
+                              disagg_local_prefill_tokens=0, disagg_max_prefill_queue=64)
         rng = random.Random(7)
         plans = [(rng.choice(PROMPTS) + f" #{i}", rng.choice([None, 0, 1, 3])) for i in range(200)]
 

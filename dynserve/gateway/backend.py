@@ -78,7 +78,7 @@ class WorkerSet:
         roles: frozenset[str] | None = None,
         prefill: WorkerSet | None = None,
         local_prefill_tokens: int = 0,
-        max_prefill_queue: int = 8,
+        max_prefill_queue: int = 2,
         on_disagg: Callable[[str], None] | None = None,
         on_fallback: Callable[[str], None] | None = None,
     ) -> None:
@@ -155,6 +155,17 @@ class WorkerSet:
         return any(c.is_open and now - self._load_seen_s.get(wid, -1e9) <= horizon_s
                    for wid, c in self.connections.items())
 
+    def num_queued(self) -> int:
+        """Requests queued or running on the members: per worker, what this gateway has open on it, or what
+        the worker last reported when that is more (other gateways' requests)."""
+        loads = self.loads
+        total = 0
+        for worker_id, connection in self.connections.items():
+            load = loads.get(worker_id)
+            reported = load.num_running + load.num_waiting if load is not None else 0
+            total += max(reported, connection.num_open_streams)
+        return total
+
     def routable_ids(self) -> list[str]:
         """Members whose channel is open: the workers a new request may go to."""
         return sorted(wid for wid, c in self.connections.items() if c.is_open)
@@ -192,8 +203,7 @@ class WorkerSet:
         num_prefill = len(prefill.routable_ids())
         path = prefill_path(
             num_uncached_tokens=len(request.token_ids) - overlap_blocks * block_size,
-            num_prefill_waiting=sum(load.num_waiting for wid, load in prefill.loads.items()
-                                    if wid in prefill.connections),
+            num_prefill_queued=prefill.num_queued(),
             num_prefill_workers=num_prefill, local_prefill_tokens=self.local_prefill_tokens,
             max_prefill_queue=self.max_prefill_queue)
         if self._on_disagg is not None:
