@@ -56,20 +56,25 @@ higher than the full run's. The full run plays 2 to 12 req/s for 25 s each (5 of
 in about 5 minutes. `--rates`, `--prefill-workers`, `--decode-workers` and the `--slo-*` flags change the
 experiment; the defaults are the acceptance one.
 
-Measured here (full run, quiet machine, load average 1.6; goodput in requests per modelled second):
+Measured here (full runs, quiet machine; goodput in requests per modelled second):
 
     rate/s      2     4     6     8    10    12
-    disagg    2.0   4.0   6.0   3.4   1.3   1.7    TTFT p50 at 6/s: 356 ms, at 8/s: 1,209 ms; ITL 16-17 ms
-    agg       2.0   4.0   6.0   8.0   9.4   6.1    mean ITL p50 16, 19, 25, 32, 38, 49 ms; TTFT p50 <= 354 ms
-    goodput_disagg 6.0, goodput_agg 9.4, goodput_ratio 0.64; fallbacks 0; outputs_identical true
-    real model: TTFT p50 932 ms agg, 952 disagg; ITL p50 81 ms agg, 78 disagg
+    disagg    2.0   4.0   6.0   3.4   1.3   1.7    prefill-queue limit 8 waiting per prefill worker (old)
+    agg       2.0   4.0   6.0   8.0   9.4   6.1    goodput_ratio 0.64
+    disagg    2.0   4.0   6.0   7.3   8.8   6.5    limit 2 queued or running (the default now): 22-30%
+    agg       2.0   4.0   6.0   7.3   6.9   0.0    of prompts prefill on a decode worker from 8/s on
+    goodput_disagg 8.75, goodput_agg 7.3, goodput_ratio 1.20; fallbacks 0; real model outputs identical
+    quick (limit 2): both 10.0 at 10/s, ratio 1.0; by ITL target (`goodput_by_itl_target`, same TTFT
+    target): 20 ms 5.1 vs 1.9 (2.8x), 25 ms 9.0 vs 5.6 (1.6x), 30 ms 10 vs 6 (1.7x), 40 ms and up 1.0x
 
-Disaggregation loses here because this workload is prefill-bound: a prompt costs 251-261 ms of a worker's
-time to prefill and only about 100-170 ms of decode time (150 steps shared by 16-32 sequences). Two
-prefill workers saturate at about 8 req/s (TTFT past 1 s from 8/s on) while the decode workers idle at a
-17 ms ITL; aggregated, all four workers prefill, and their stalls raise the mean ITL past 50 ms only at
-12/s. The gateway starts prefilling on decode workers only past 8 waiting prompts per prefill worker (2 s
-of queue for these prompts), after TTFT has already missed its target.
+Disaggregation wins where the ITL target is tight: aggregated workers stall every decode for 262-272 ms each
+time they prefill a 3,000-token prompt (per-token ITL p99 260-520 ms from 4/s on), and the mean ITL climbs
+from 16 ms at 2/s to 29-43 ms at 10/s; decode workers of the disaggregated mode stay at 16-22 ms up to
+8/s. Under a loose ITL target the workload is prefill-bound (a prompt costs 251-261 ms of prefill and
+only 100-170 ms of decode time, 150 steps shared by 16-32 sequences), and aggregated mode prefills on all
+four workers against the disaggregated mode's two (each completes at most about 4 prompts/s), so the
+modes tie; with the old limit, queued prompts waited seconds for a prefill worker while the decode workers
+idled.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ import psutil
 
 from benchmarks._common import git_commit, log, machine_info, percentile, write_result
 from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters
-from benchmarks._goodput import ATTAINMENT_GOAL, Slo, summarize_mode, summarize_rate
+from benchmarks._goodput import ATTAINMENT_GOAL, Slo, goodput_by_itl_target, summarize_mode, summarize_rate
 from benchmarks._streaming import StreamedCompletion, completion_body, stream_completion
 from dynserve.engine.loader import default_model_path, model_id_of
 from dynserve.engine.tokenizer import Tokenizer
@@ -383,6 +388,7 @@ def _result(args: argparse.Namespace, plan: Plan, slo: Slo, modes: dict[str, Any
         "max_rate_at_goal_disagg": disagg["max_rate_at_goal_per_s"],
         "max_rate_at_goal_agg": agg["max_rate_at_goal_per_s"],
         "past_knee_disagg": disagg["past_knee"], "past_knee_agg": agg["past_knee"],
+        "goodput_by_itl_target": goodput_by_itl_target({"disagg": disagg["rates"], "agg": agg["rates"]}),
         "disagg_requests": {k: v for k, v in counts.items() if k.startswith("requests{")},
         "disagg_fallbacks": sum(v for k, v in counts.items() if k.startswith("fallbacks{")),
         "outputs_identical": None,
