@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 from benchmarks._common import log
 
 __all__ = ["DynctlServer", "dynctl_serve", "scrape_counters"]
@@ -47,6 +49,22 @@ class DynctlServer:
             return self.log_path.read_text(errors="replace")[-num_chars:]
         except OSError:
             return ""
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far by the server and its descendants (those alive now): Ray, the workers."""
+        try:
+            root = psutil.Process(self.process.pid)
+            processes = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for process in processes:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
 
 
 @contextlib.contextmanager

@@ -74,21 +74,23 @@ from 16 ms at 2/s to 29-43 ms at 10/s; decode workers of the disaggregated mode 
 only 100-170 ms of decode time, 150 steps shared by 16-32 sequences), and aggregated mode prefills on all
 four workers against the disaggregated mode's two (each completes at most about 4 prompts/s), so the
 modes tie; with the old limit, queued prompts waited seconds for a prefill worker while the decode workers
-idled.
+idled. With the old limit (full runs): `--seed 1` 5.9 against 9.8 (0.60); `--prefill-workers 3
+--decode-workers 1 --rates 6 8 10 12`: disagg 6.0 7.1 6.7 3.1, agg 6.0 8.0 4.0 2.4. Near its knee (10/s)
+agg's goodput swings between runs (9.4, 9.8, 6.9, and 4.0 in the 3 + 1 run, whose rate 10 plays other
+arrivals).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from benchmarks._common import git_commit, log, machine_info, percentile, write_result
 from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters
@@ -173,15 +175,15 @@ def make_phases(plan: Plan, word_ids: list[int], seed: int) -> list[RatePhase]:
 async def _play(port: int, model: str, phase: RatePhase, speedup: float,
                 timeout_s: float) -> list[StreamedCompletion]:
     """Send the phase's requests at their arrival times (on the mockers' clock) and read every stream."""
+    bodies = [completion_body(model, prompt, OUTPUT_TOKENS) for prompt in phase.prompts]  # before the clock
     start_s = time.monotonic() + 0.1  # time to start every task before the first is due
 
-    async def one(offset_s: float, prompt: list[int]) -> StreamedCompletion:
-        body = completion_body(model, prompt, OUTPUT_TOKENS)
+    async def one(offset_s: float, body: bytes) -> StreamedCompletion:
         scheduled_s = start_s + offset_s / speedup
         await asyncio.sleep(max(0.0, scheduled_s - time.monotonic()))
         return await stream_completion(port, body, scheduled_s=scheduled_s, timeout_s=timeout_s)
 
-    return await asyncio.gather(*(one(t, p) for t, p in zip(phase.arrivals_s, phase.prompts, strict=True)))
+    return await asyncio.gather(*(one(t, b) for t, b in zip(phase.arrivals_s, bodies, strict=True)))
 
 
 async def _warm_up(port: int, model: str, prompts: list[list[int]], max_tokens: int) -> None:
@@ -191,23 +193,6 @@ async def _warm_up(port: int, model: str, prompts: list[list[int]], max_tokens: 
     failed = [r.error for r in results if r.error is not None]
     if failed:
         raise RuntimeError(f"warm-up request(s) failed: {failed}")
-
-
-def _cpu_s(root_pid: int) -> float:
-    """CPU seconds used so far by a process and its descendants (those alive now)."""
-    try:
-        root = psutil.Process(root_pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def _disagg_counts(port: int) -> dict[str, float]:
@@ -234,18 +219,22 @@ def _run_rate(mode: str, server: DynctlServer, model: str, phase: RatePhase, *, 
               speedup: float) -> dict[str, Any]:
     timeout_s = max(60.0, 20.0 * phase.arrivals_s[-1] / speedup)
     counts_before = _disagg_counts(server.port)
-    cpu_before_s, start_s = _cpu_s(server.process.pid), time.monotonic()
+    cpu_before_s, start_s = server.cpu_s(), time.monotonic()
     results = asyncio.run(_play(server.port, model, phase, speedup, timeout_s))
     wall_s = time.monotonic() - start_s
-    cpu_cores = (_cpu_s(server.process.pid) - cpu_before_s) / wall_s
+    cpu_cores = (server.cpu_s() - cpu_before_s) / wall_s
     counts_after = _disagg_counts(server.port)
     summary = summarize_rate(phase.rate_per_s, results[phase.num_ramp:], slo, speedup)
     ramp_errors = [r.error for r in results[: phase.num_ramp] if r.error is not None]
     summary.update(num_ramp_requests=phase.num_ramp, num_ramp_errors=len(ramp_errors), wall_real_s=wall_s,
-                   server_cpu_cores=cpu_cores, load_avg_1m=psutil.getloadavg()[0])
+                   server_cpu_cores=cpu_cores, load_avg_1m=os.getloadavg()[0])
     counts = {k: v - counts_before.get(k, 0.0) for k, v in counts_after.items() if v != counts_before.get(k)}
     if counts_after:
         summary["disagg_counts"] = counts
+    if summary["errors"] or ramp_errors:  # what the server said about them
+        summary["server_log_tail"] = server.log_tail()
+        log(f"{mode} @ {phase.rate_per_s:g}/s: requests failed ({(summary['errors'] or ramp_errors)[:3]}); "
+            f"the server's log ends:\n{summary['server_log_tail']}")
     log(f"{mode} @ {phase.rate_per_s:g}/s: goodput {summary['goodput_per_s']:.2f}/s "
         f"({summary['num_good']}/{summary['num_requests']} met both; TTFT {summary['num_ttft_met']}, "
         f"ITL {summary['num_itl_met']}); TTFT p50 {_ms(summary['ttft_p50_ms'])}, mean ITL p50 "
