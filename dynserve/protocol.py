@@ -95,19 +95,22 @@ class TokenLogprob(msgspec.Struct, array_like=True):
 class KVHandle(msgspec.Struct, frozen=True, kw_only=True):
     """Where a prefilled prompt's KV waits for its decode worker: blocks `block_ids` (in order, the first
     `num_tokens` tokens) of worker `worker_id`, whose transfer agent is `agent_name` (None for a mocker,
-    whose transfers are simulated). Held under a lease until released."""
+    whose transfers are simulated). Held under a lease until released or `lease_ends_unix_s`; a reader
+    that gets the handle too close to that time prefills instead (a one-sided read cannot tell freed
+    blocks from held ones)."""
 
     worker_id: str
     agent_name: str | None
     block_ids: list[int]
     num_tokens: int
+    lease_ends_unix_s: float = float("inf")  # `time.time()` on the prefill worker's host when it frees them
 
 
 class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one engine step produced for one request. `text` is the newly completed text (never half a
     UTF-8 character); usage counts are cumulative. `kv_handle` is set on the one delta that ends a
     prefill-only request; `kv_fallback` on a decode worker's first delta when it could not use the
-    transferred KV and prefilled locally (the reason: "transfer_error", "transfer_timeout", "no_blocks")."""
+    transferred KV and prefilled locally (the reason: "transfer_error", "transfer_timeout", "no_blocks", "lease_expired")."""
 
     request_id: str
     token_ids: list[int]

@@ -147,6 +147,16 @@ def test_an_abort_during_the_read_frees_the_blocks_only_after_it(make_engine: An
     assert prefill.block_manager.num_used_blocks == 0 and prefill.num_leases == 0
 
 
+def test_a_handle_near_the_end_of_its_lease_is_not_read(make_engine: Any) -> None:
+    prefill, decode = make_engine(kv_blocks=64, kv_lease_s=1.0), make_engine(kv_blocks=64)
+    token_ids = prefill.tokenizer.encode(PROMPTS[1])
+    prefilled = _prefill(prefill, token_ids, "late")
+    assert prefilled.kv_handle is not None and prefilled.kv_handle.lease_ends_unix_s < time.time() + 1.0
+    tokens, first = _decode(decode, token_ids, "late", prefilled, read=lambda plan: None)
+    assert first.kv_fallback == "lease_expired"  # 1 s left is inside the margin: prefilled here instead
+    assert tokens == make_engine(kv_blocks=64).generate([token_ids], GREEDY)[0].token_ids
+
+
 def test_leases_end_on_their_own(make_engine: Any) -> None:
     engine = make_engine(kv_blocks=64, kv_lease_s=0.05)
     for i in range(3):

@@ -44,7 +44,9 @@ from dynserve.errors import InvalidRequestError
 from dynserve.hashing import model_salt
 from dynserve.protocol import KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
 
-__all__ = ["EngineCore", "EngineStats", "GenerationResult", "ReceivePlan", "StepSamples"]
+__all__ = ["LEASE_MARGIN_S", "EngineCore", "EngineStats", "GenerationResult", "ReceivePlan", "StepSamples"]
+
+LEASE_MARGIN_S = 2.0  # a handle this close to its lease's end is not read (a read, clock skew between hosts)
 
 
 @dataclass(slots=True)
@@ -182,6 +184,8 @@ class EngineCore(abc.ABC):
         fallback = None
         if handle.num_tokens != seq.num_prompt_tokens or len(handle.block_ids) != blocks.blocks_needed(handle.num_tokens):
             fallback = "transfer_error"  # the handle does not describe this prompt
+        elif time.time() > handle.lease_ends_unix_s - LEASE_MARGIN_S:
+            fallback = "lease_expired"  # the blocks may be someone else's by the time the read lands
         elif not blocks.allocate(seq, self.scheduler.num_reserved_blocks if self.scheduler.running else 0):
             fallback = "no_blocks"
         if fallback is not None:
@@ -355,10 +359,12 @@ class EngineCore(abc.ABC):
         seq = request.seq
         self.scheduler.detach(seq)
         del self._requests[seq.request_id]
-        self._leases[seq.request_id] = (seq, time.monotonic() + self.settings.kv_lease_s)
+        lease_s = self.settings.kv_lease_s
+        self._leases[seq.request_id] = (seq, time.monotonic() + lease_s)
         num_blocks = self.block_manager.blocks_needed(seq.num_prompt_tokens)
         handle = KVHandle(worker_id=self.kv_source_id, agent_name=self.kv_agent_name,
-                          block_ids=seq.block_table[:num_blocks], num_tokens=seq.num_prompt_tokens)
+                          block_ids=seq.block_table[:num_blocks], num_tokens=seq.num_prompt_tokens,
+                          lease_ends_unix_s=time.time() + lease_s)
         return TokenDelta(
             request_id=seq.request_id, token_ids=[token_id], text=text, finished=True, finish_reason="prefilled",
             logprobs=None if logprob is None else [logprob], num_prompt_tokens=seq.num_prompt_tokens,

@@ -60,7 +60,7 @@ class GatewayMetrics:
         self.disagg_fallbacks = Counter(
             "dynserve_disagg_fallbacks", "Disaggregated serving: requests prefilled on their decode worker after "
             "the remote prefill failed (prefill_failed) or its KV could not be read (transfer_error, "
-            "transfer_timeout, no_blocks)", ["reason"], registry=registry)
+            "transfer_timeout, no_blocks, lease_expired)", ["reason"], registry=registry)
         labels = ["worker_id", "role"]
         self.blocks_used = Gauge("dynserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=registry)
         self.blocks_total = Gauge("dynserve_worker_kv_blocks_total", "KV blocks allocated", labels,
