@@ -213,6 +213,7 @@ def test_disaggregated_greedy_outputs_equal_aggregated(real_pair: Any, make_gate
     (prefill_handle, decode_handle), infos = real_pair
     assert infos[0].kv_agent is not None  # the prefill worker published its transfer agent
     server = make_gateway(infos=infos, namespace=REAL["namespace"], disagg_local_prefill_tokens=0)
+    assert 'dynserve_disagg_fallbacks_total{reason="transfer_error"} 0.0' in httpx.get(f"{server.url}/metrics").text
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     engine = make_engine(kv_blocks=256)
     baseline = ray_instance.get(prefill_handle.load.remote()).num_blocks_used

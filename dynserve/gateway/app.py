@@ -56,6 +56,8 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
         worker_set._on_load = state.metrics.observe_load
         worker_set._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
         worker_set._on_retry = state.metrics.retries.inc
+    if workers.prefill is not None:
+        state.metrics.expect_disaggregation()
     workers._on_disagg = lambda path: state.metrics.disagg_requests.labels(path).inc()
     workers._on_fallback = lambda reason: state.metrics.disagg_fallbacks.labels(reason).inc()
     if workers.router is not None:

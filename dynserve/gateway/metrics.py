@@ -61,6 +61,7 @@ class GatewayMetrics:
             "dynserve_disagg_fallbacks", "Disaggregated serving: requests prefilled on their decode worker after "
             "the remote prefill failed (prefill_failed) or its KV could not be read (transfer_error, "
             "transfer_timeout, no_blocks, lease_expired)", ["reason"], registry=registry)
+
         labels = ["worker_id", "role"]
         self.blocks_used = Gauge("dynserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=registry)
         self.blocks_total = Gauge("dynserve_worker_kv_blocks_total", "KV blocks allocated", labels,
@@ -96,6 +97,15 @@ class GatewayMetrics:
             "dynserve_router_hot_spot_picks", "Picks made by the hot-spot guard, not by the cost",
             registry=registry)
         self._router_mode = "none"
+
+
+    def expect_disaggregation(self) -> None:
+        """Export every disaggregation path and fallback reason at 0, so dashboards and alerts see a series
+        (and `rate()` a start) before the first request takes it."""
+        for path in ("remote", "short_prompt", "prefill_queue", "no_prefill_worker"):
+            self.disagg_requests.labels(path)
+        for reason in ("prefill_failed", "transfer_error", "transfer_timeout", "no_blocks", "lease_expired"):
+            self.disagg_fallbacks.labels(reason)
 
     def watch_router(self, router: Router) -> None:
         """Export `router`'s mode and index size, and receive its measurements (sets `router.observer`)."""

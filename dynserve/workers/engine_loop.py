@@ -8,7 +8,8 @@ thread after its model was loaded and warmed up on another runs 40-50% slower on
 The engine is single-threaded; this module is the only place that touches it while a worker runs. Other
 threads talk to it through a command queue (`submit`, `abort`, `stop`), and the loop thread blocks on that
 queue when the engine is idle, so an idle worker costs no CPU. After every engine step the deltas are
-grouped by the `Sink` that owns each request and delivered with one `call_soon_threadsafe` per step.
+grouped by the `Sink` that owns each request and handed to the loop; steps the loop has not taken yet go
+with the same wake-up (`_call`).
 
 KV reads for requests prefilled elsewhere (`EngineCore.drain_receives`) run on a small thread pool through
 the worker's `kv_reader`, so the engine keeps stepping other requests while pages arrive; each read's end
@@ -103,6 +104,8 @@ class EngineLoop:
         self._open: dict[str, _Open] = {}  # touched by the engine thread only
         self._timings: deque[RequestTiming] = deque(maxlen=NUM_TIMINGS_KEPT)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._handover: list[Callable[[], object]] = []  # for the loop, oldest first (see `_call`)
+        self._handover_lock = threading.Lock()
         self.failure: BaseException | None = None
 
     # ---- any thread ----------------------------------------------------------------------------------
@@ -306,8 +309,26 @@ class EngineLoop:
         self._call(lambda: [sink.deliver(batch) for sink, batch in groups])
 
     def _call(self, fn: Callable[[], object]) -> None:
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn)
+        """Run `fn` on the asyncio loop, after everything handed over before it. While the loop has not yet
+        taken what was handed over, `fn` joins it: one wake-up of the loop per batch, not per step (a fast
+        engine steps more often than a busy loop wakes, and each wake-up costs a syscall and a GIL hand-off)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with self._handover_lock:
+            self._handover.append(fn)
+            if len(self._handover) > 1:
+                return  # the loop has a wake-up pending that will take this too
+        try:
+            loop.call_soon_threadsafe(self._take_handover)
+        except RuntimeError:  # the loop closed meanwhile: nobody is left to deliver to
+            pass
+
+    def _take_handover(self) -> None:
+        with self._handover_lock:
+            handover, self._handover = self._handover, []
+        for fn in handover:
+            fn()
 
 
 def _run_call(call: _Call, engine: EngineCore | None) -> None:
