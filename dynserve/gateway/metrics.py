@@ -98,7 +98,6 @@ class GatewayMetrics:
             registry=registry)
         self._router_mode = "none"
 
-
     def expect_disaggregation(self) -> None:
         """Export every disaggregation path and fallback reason at 0, so dashboards and alerts see a series
         (and `rate()` a start) before the first request takes it."""
