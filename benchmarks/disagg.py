@@ -62,11 +62,14 @@ Measured here (full runs, quiet machine; goodput in requests per modelled second
     rate/s      2     4     6     8    10    12
     disagg    2.0   4.0   6.0   3.4   1.3   1.7    prefill-queue limit 8 waiting per prefill worker (old)
     agg       2.0   4.0   6.0   8.0   9.4   6.1    goodput_ratio 0.64
-    disagg    2.0   4.0   6.0   7.3   8.8   6.5    limit 2 queued or running (the default now): 22-30%
-    agg       2.0   4.0   6.0   7.3   6.9   0.0    of prompts prefill on a decode worker from 8/s on
-    goodput_disagg 8.75, goodput_agg 7.3, goodput_ratio 1.20; fallbacks 0; real model outputs identical
-    quick (limit 2): both 10.0 at 10/s, ratio 1.0; by ITL target (`goodput_by_itl_target`, same TTFT
-    target): 20 ms 5.1 vs 1.9 (2.8x), 25 ms 9.0 vs 5.6 (1.6x), 30 ms 10 vs 6 (1.7x), 40 ms and up 1.0x
+    disagg    2.0   4.0   6.0   8.0   9.45  6.8    limit 2 queued or running (the default now): 17-36%
+    agg       2.0   4.0   6.0   8.0   9.45  5.95   of prompts prefill on a decode worker at 8-12/s
+    goodput_disagg 9.45, goodput_agg 9.45, goodput_ratio 1.0 (quiet, load 0.4; an earlier 1.20 was taken
+    beside other benchmarks); fallbacks 0; by ITL target (`goodput_by_itl_target`, same TTFT target):
+    20 ms 5.6 vs 2.6 (2.1x), 25 ms 6.0 vs 4.0 (1.5x), 30 ms 7.2 vs 6.0 (1.2x), 40 ms 9.1 vs 6.0 (1.5x),
+    50 ms 1.0x, 100 ms 9.5 vs 11.2 (0.85x)
+    quick (limit 2): both 10.0 at 10/s, ratio 1.0; by ITL target 20 ms 2.8-3.2x, 25 ms 1.6-1.8x, 30 ms 1.7x,
+    40 ms and up 1.0x
 
 Disaggregation wins where the ITL target is tight: aggregated workers stall every decode for 262-272 ms each
 time they prefill a 3,000-token prompt (per-token ITL p99 260-520 ms from 4/s on), and the mean ITL climbs
