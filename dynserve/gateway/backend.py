@@ -156,15 +156,8 @@ class WorkerSet:
                    for wid, c in self.connections.items())
 
     def num_queued(self) -> int:
-        """Requests queued or running on the members: per worker, what this gateway has open on it, or what
-        the worker last reported when that is more (other gateways' requests)."""
-        loads = self.loads
-        total = 0
-        for worker_id, connection in self.connections.items():
-            load = loads.get(worker_id)
-            reported = load.num_running + load.num_waiting if load is not None else 0
-            total += max(reported, connection.num_open_streams)
-        return total
+        """Requests queued or running on the members (each counted as `_pending` counts it for picking)."""
+        return sum(map(self._pending, self.connections.values()))
 
     def routable_ids(self) -> list[str]:
         """Members whose channel is open: the workers a new request may go to."""
@@ -208,26 +201,11 @@ class WorkerSet:
             max_prefill_queue=self.max_prefill_queue)
         if self._on_disagg is not None:
             self._on_disagg(path)
-        if path != "remote":
-            async with contextlib.aclosing(self._generate_here(request)) as stream:
-                async for delta in stream:
-                    yield delta
-            return
-        prefilled: TokenDelta | None = None
-        try:
-            async with contextlib.aclosing(prefill._generate_here(
-                    msgspec.structs.replace(request, prefill_only=True), first=connection)) as stream:
-                async for delta in stream:
-                    prefilled = delta
-        except WorkerUnavailableError as exc:  # no prefill worker could do it: the decode worker will
-            logger.warning("request %s: prefill failed on every prefill worker (%s); prefilling on a decode "
-                           "worker", request.request_id, exc)
-            if self._on_fallback is not None:
-                self._on_fallback("prefill_failed")
+        prefilled = await self._prefill_remotely(prefill, request, connection) if path == "remote" else None
         if prefilled is not None and prefilled.kv_handle is None:  # the first token ended it (stop, length)
             yield prefilled
             return
-        if prefilled is None:
+        if prefilled is None:  # prefilled on the decode worker: by choice, or after the prefill failed
             async with contextlib.aclosing(self._generate_here(request)) as stream:
                 async for delta in stream:
                     yield delta
@@ -251,6 +229,23 @@ class WorkerSet:
         finally:
             if not released:
                 self._release(prefill, handle.worker_id, request.request_id)
+
+    async def _prefill_remotely(self, prefill: WorkerSet, request: GenerateRequest,
+                                connection: WorkerConnection | None) -> TokenDelta | None:
+        """Run `request` prefill-only on the prefill set (`connection` first); its one delta, or None when no
+        prefill worker could (counted as a fallback)."""
+        prefilled: TokenDelta | None = None
+        try:
+            async with contextlib.aclosing(prefill._generate_here(
+                    msgspec.structs.replace(request, prefill_only=True), first=connection)) as stream:
+                async for delta in stream:
+                    prefilled = delta
+        except WorkerUnavailableError as exc:  # no prefill worker could do it: the decode worker will
+            logger.warning("request %s: prefill failed on every prefill worker (%s); prefilling on a decode "
+                           "worker", request.request_id, exc)
+            if self._on_fallback is not None:
+                self._on_fallback("prefill_failed")
+        return prefilled
 
     @staticmethod
     def _release(prefill: WorkerSet, worker_id: str, request_id: str) -> None:
