@@ -211,9 +211,14 @@ class EngineLoop:
 
     def _start_receives(self, engine: EngineCore) -> None:
         for plan in engine.drain_receives():
-            if plan.fallback is not None or not plan.local_block_ids or self.kv_reader is None:
-                failure = plan.fallback or (None if not plan.local_block_ids else "transfer_error")
-                self._deliver_first(engine, plan.request_id, failure)
+            if plan.fallback is not None:  # nothing to read: the request prefills here
+                self._deliver_first(engine, plan.request_id, plan.fallback)
+                continue
+            if not plan.local_block_ids:  # this engine already caches every block of the prompt
+                self._deliver_first(engine, plan.request_id, None)
+                continue
+            if self.kv_reader is None:  # no way to read remote blocks: prefill here
+                self._deliver_first(engine, plan.request_id, "transfer_error")
                 continue
             if self._readers is None:
                 self._readers = concurrent.futures.ThreadPoolExecutor(_MAX_CONCURRENT_READS, "kv-read")
