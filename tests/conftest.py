@@ -7,7 +7,9 @@ TRITON_INTERPRET must be set before anything imports triton, so it is set here, 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -192,3 +194,37 @@ async def replay_event_plane() -> tuple[Any, list[str]]:
             return index, [w.worker_id for w in await plane.workers()]
         for batch in batches:
             assert index.apply(batch.worker_id, batch.events)
+
+
+# ---- child processes: `dynctl serve` and standalone servers -----------------------------------------------
+
+def wait_for_line(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
+    """What `process` wrote to stderr up to the first line containing `marker` (it must stay alive)."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while not any(marker in line for line in lines):
+        assert process.poll() is None, "".join(lines)
+        assert time.monotonic() < deadline, f"no {marker!r} within {timeout_s} s: {''.join(lines)}"
+        lines.append(process.stderr.readline())  # type: ignore[union-attr]
+    return "".join(lines)
+
+
+def banner_port(banner: str) -> int:
+    """The port in the `http://host:port/v1` a server's banner names (servers started with port 0)."""
+    match = re.search(r"http://[^/\s]+:(\d+)/v1", banner)
+    assert match is not None, banner
+    return int(match.group(1))
+
+
+def stop_by_sigint(process: subprocess.Popen[str]) -> tuple[int, str]:
+    """Ctrl-C `process` and wait for it (30 s, then it is killed and this raises); (exit code, the rest of
+    its stderr)."""
+    process.send_signal(signal.SIGINT)
+    try:
+        code = process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    rest = process.stderr.read()  # type: ignore[union-attr]
+    process.stderr.close()  # type: ignore[union-attr]
+    return code, rest

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
+
+from conftest import banner_port, stop_by_sigint, wait_for_line
 
 DYNCTL = str(Path(sys.executable).parent / "dynctl")
 
@@ -37,14 +36,8 @@ def test_serve_answers_chat_and_stops_on_ctrl_c() -> None:
     # port 0: a port picked beforehand could be taken by Ray's own start-up; the banner names the one bound
     process = subprocess.Popen([DYNCTL, "serve", "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
     try:
-        banner = []
-        deadline = time.monotonic() + 240
-        while not any('"messages"' in line for line in banner):  # the last line of the banner
-            assert process.poll() is None, "".join(banner)
-            assert time.monotonic() < deadline, "dynctl serve did not become ready"
-            banner.append(process.stderr.readline())  # type: ignore[union-attr]
-        text = "".join(banner)
-        port = int(re.search(r"http://localhost:(\d+)/v1", text).group(1))  # type: ignore[union-attr]
+        text = wait_for_line(process, '"messages"', 240)  # the last line of the banner
+        port = banner_port(text)
         assert f"http://localhost:{port}/v1" in text and "curl" in text and "k3y" not in text
         body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}],
                 "max_tokens": 8}
@@ -53,15 +46,9 @@ def test_serve_answers_chat_and_stops_on_ctrl_c() -> None:
         answer = httpx.post(url, json=body, headers={"Authorization": "Bearer k3y"}, timeout=60)
         assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
     finally:
-        process.send_signal(signal.SIGINT)
         try:
-            code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
+            code, rest = stop_by_sigint(process)
         finally:
-            rest = process.stderr.read()  # type: ignore[union-attr]
-            process.stderr.close()  # type: ignore[union-attr]
             shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 0
     assert "stopped" in rest

@@ -7,9 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +27,7 @@ from dynserve.engine.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams
 from dynserve.workers.mocker import MockEngine, step_work
 from dynserve.workers.mocker_profiles import CPU, MockerProfile, StepWork
-from conftest import replay_event_plane
+from conftest import banner_port, replay_event_plane, stop_by_sigint, wait_for_line
 
 MODEL = "SmolLM2-135M-Instruct"
 SPEEDUP = 10.0
@@ -215,28 +213,6 @@ def test_kv_events_replay_to_each_mockers_snapshot(mockers: Any, tokenizer: Toke
 # ---- processes: the standalone server and `dynctl serve --mocker` ----------------------------------------
 
 
-def _wait_for_line(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout_s
-    while not any(marker in line for line in lines):
-        assert process.poll() is None, "".join(lines)
-        assert time.monotonic() < deadline, f"no {marker!r} within {timeout_s} s: {''.join(lines)}"
-        lines.append(process.stderr.readline())  # type: ignore[union-attr]
-    return "".join(lines)
-
-
-def _stop(process: subprocess.Popen[str]) -> tuple[int, str]:
-    process.send_signal(signal.SIGINT)
-    try:
-        code = process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    rest = process.stderr.read()  # type: ignore[union-attr]
-    process.stderr.close()  # type: ignore[union-attr]
-    return code, rest
-
-
 def _check_sglang_router_bodies(url: str) -> None:
     """sglang-router 0.3.2 (cache_aware) forwards requests with SGLang's extension fields at their defaults
     (bodies captured from it); they are served, and a value dynserve does not implement is a 400 naming it."""
@@ -264,7 +240,7 @@ def test_standalone_mocker_serves_the_openai_client() -> None:
     process = subprocess.Popen([*command, "--profile", "cpu", "--http-port", str(port)], env=env,
                                stderr=subprocess.PIPE, text=True)
     try:
-        banner = _wait_for_line(process, "is serving", 60)
+        banner = wait_for_line(process, "is serving", 60)
         assert f":{port}/v1" in banner and "speedup 10" in banner
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
         assert [m.id for m in client.models.list()] == [MODEL]
@@ -277,7 +253,7 @@ def test_standalone_mocker_serves_the_openai_client() -> None:
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
         _check_sglang_router_bodies(f"http://127.0.0.1:{port}")
     finally:
-        code, rest = _stop(process)
+        code, rest = stop_by_sigint(process)
     assert code == 0 and "stopped" in rest
 
 
@@ -289,15 +265,15 @@ def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
     process = subprocess.Popen([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
                                 "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
     try:  # port 0: a port picked beforehand could be taken by Ray's own start-up; the banner names the one bound
-        banner = _wait_for_line(process, '"messages"', 120)
-        port = int(re.search(r"http://[^/\s]+:(\d+)/v1", banner).group(1))  # type: ignore[union-attr]
+        banner = wait_for_line(process, '"messages"', 120)
+        port = banner_port(banner)
         assert "2 mocker workers" in banner and "profile cpu" in banner
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
         assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"] == ["w-0", "w-1"]
     finally:
-        code, rest = _stop(process)
+        code, rest = stop_by_sigint(process)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 0 and "stopped" in rest
 
@@ -311,8 +287,8 @@ def test_dynctl_serve_mocker_disaggregated() -> None:
                                 "1", "--decode-workers", "1", "--disagg-local-prefill-tokens", "0", "--port", "0"],
                                env=env, stderr=subprocess.PIPE, text=True)
     try:
-        banner = _wait_for_line(process, '"messages"', 120)
-        port = int(re.search(r"http://[^/\s]+:(\d+)/v1", banner).group(1))  # type: ignore[union-attr]
+        banner = wait_for_line(process, '"messages"', 120)
+        port = banner_port(banner)
         assert "1 prefill + 1 decode mocker workers" in banner
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
@@ -321,7 +297,7 @@ def test_dynctl_serve_mocker_disaggregated() -> None:
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert 'dynserve_disagg_requests_total{path="remote"} 1.0' in metrics
     finally:
-        code, rest = _stop(process)
+        code, rest = stop_by_sigint(process)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert code == 0 and "stopped" in rest
 
