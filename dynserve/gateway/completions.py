@@ -195,6 +195,7 @@ class _Run:
                  builder: ResponseBuilder) -> None:
         self.state, self.kind, self.requests, self.builder = state, kind, requests, builder
         self.endpoint = "chat/completions" if kind == "chat" else "completions"
+        self.series = state.metrics.endpoints[self.endpoint]
         self.choices = [ChoiceState(i) for i in range(len(requests))]
         self.start_s = time.perf_counter()
         self.first_token_s: float | None = None
@@ -209,7 +210,7 @@ class _Run:
         self.state.metrics.inflight.dec()
         m = self.state.metrics
         if all(c.finish_reason is not None for c in self.choices):
-            m.e2e.labels(self.endpoint).observe(time.perf_counter() - self.start_s)
+            self.series.e2e.observe(time.perf_counter() - self.start_s)
         firsts = self.builder.first_per_prompt(self.choices)
         m.prompt_tokens.inc(sum(c.num_prompt_tokens for c in firsts))
         m.cached_tokens.inc(sum(c.num_cached_tokens for c in firsts))
@@ -219,12 +220,13 @@ class _Run:
         num_tokens = len(delta.token_ids)
         if self.first_token_s is None:
             self.first_token_s = now
-            self.state.metrics.ttft.labels(self.endpoint).observe(now - self.start_s)
+            self.series.ttft.observe(now - self.start_s)
         previous = self.last_token_s[index]
         if previous is not None and num_tokens:
             gap_s = (now - previous) / num_tokens
+            itl = self.series.itl
             for _ in range(num_tokens):
-                self.state.metrics.itl.labels(self.endpoint).observe(gap_s)
+                itl.observe(gap_s)
         self.last_token_s[index] = now
         self.state.metrics.generated_tokens.inc(num_tokens)
         self.choices[index].absorb(delta)
