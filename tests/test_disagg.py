@@ -270,6 +270,31 @@ def test_a_failed_transfer_costs_a_local_prefill_not_the_request(
         ray_instance.kill(handle)
 
 
+def test_the_first_token_reaches_the_client_before_the_decode_worker_has_the_kv(
+        mock_prefill: Any, make_mocker: Any, make_gateway: Any, ray_instance: Any) -> None:
+    """The prefill worker's first token is streamed at once: a read that hangs for 1.5 s (and then falls back
+    to a local prefill) delays the second token, not the first, and no token is sent twice."""
+    handle, decode = make_mocker("md-slow-read", "decode", mocker_speedup=50, **MOCK, transfer_fault="timeout",
+                                 transfer_timeout_s=1.5)
+    try:
+        server = make_gateway(infos=[mock_prefill[1], decode], namespace=MOCK["namespace"],
+                              disagg_local_prefill_tokens=0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        whole = client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0, logprobs=1)
+        start = time.monotonic()
+        arrivals, tokens = [], []
+        for chunk in client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=8, temperature=0,
+                                               logprobs=1, stream=True):
+            if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.tokens:
+                arrivals.append(time.monotonic() - start)
+                tokens += chunk.choices[0].logprobs.tokens
+        assert arrivals[0] < 1.0 < 1.4 < arrivals[1]
+        assert tokens == whole.choices[0].logprobs.tokens and len(tokens) == 8
+        assert _metric(server.url, "dynserve_disagg_fallbacks_total", "transfer_timeout") == 2
+    finally:
+        ray_instance.kill(handle)
+
+
 def test_a_prefill_worker_that_dies_costs_a_local_prefill(make_mocker: Any, make_gateway: Any,
                                                           ray_instance: Any) -> None:
     slow_prefill, prefill_info = make_mocker("mp-dies", "prefill", mocker_speedup=1, **MOCK)  # ~2 s per prompt

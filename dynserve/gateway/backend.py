@@ -23,7 +23,9 @@ Disaggregated serving: a set of decode workers (`roles={"decode"}`) holds a seco
 prefilled (`disagg.prefill_path`). Remote: the prefill set runs it `prefill_only` (retried across prefill
 workers), the decode set runs it with the returned `RemotePrefill` (retried across decode workers), and the
 prefill worker is told to release its blocks once the decode worker's first delta shows it has them (or the
-request ends, whichever is first). A prefill that fails on every prefill worker falls back to prefilling on
+request ends, whichever is first). The prefill's first token goes to the client at once (the decode
+worker's first delta repeats it and is trimmed), so the transfer and the decode worker's queue are not in
+the time to first token. A prefill that fails on every prefill worker falls back to prefilling on
 the decode worker; a failed read falls back there too (the decode worker does it and says so in its first
 delta). Both are counted (`on_fallback`); the client sees neither.
 """
@@ -46,11 +48,24 @@ from dynserve.protocol import GenerateRequest, KVSnapshot, RemotePrefill, TokenD
 from dynserve.router.router import Router
 from dynserve.workers.channel import WorkerConnection
 
-__all__ = ["WorkerSet", "membership_changes"]
+__all__ = ["WorkerSet", "membership_changes", "without_first_token"]
 
 logger = logging.getLogger(__name__)
 
 _PREFILL = frozenset({"prefill"})
+
+
+def without_first_token(delta: TokenDelta, first: TokenDelta) -> TokenDelta:
+    """A decode worker's first delta (after a remote prefill) less the first token, which `first`, the prefill
+    worker's delta, already gave the client: the same token, its text and its logprob."""
+    text = delta.text
+    if text.startswith(first.text):
+        text = text[len(first.text):]
+    else:  # both workers detokenize the same prompt and token, so this does not happen; keep the text whole
+        logger.warning("request %s: the decode worker's first text %r does not start with the prefill's %r",
+                       delta.request_id, text, first.text)
+    return msgspec.structs.replace(delta, token_ids=delta.token_ids[1:], text=text,
+                                   logprobs=delta.logprobs[1:] if delta.logprobs else delta.logprobs)
 
 
 def membership_changes(current: Mapping[str, WorkerInfo],
@@ -215,6 +230,9 @@ class WorkerSet:
         remote = RemotePrefill(handle=handle, first_token_id=prefilled.token_ids[0],
                                first_logprob=prefilled.logprobs[0] if prefilled.logprobs else None,
                                num_cached_tokens=prefilled.num_cached_tokens)
+        # The first token is the prefill worker's whatever happens next, so the client gets it now, not after
+        # the decode worker has been picked, read the KV and stepped once; that worker's first delta repeats it.
+        yield msgspec.structs.replace(prefilled, finished=False, finish_reason=None, kv_handle=None)
         released = False
         try:
             async with contextlib.aclosing(self._generate_here(
@@ -225,6 +243,9 @@ class WorkerSet:
                         self._release(prefill, handle.worker_id, request.request_id)
                         if delta.kv_fallback is not None and self._on_fallback is not None:
                             self._on_fallback(delta.kv_fallback)
+                        delta = without_first_token(delta, prefilled)
+                        if not delta.token_ids and not delta.finished:
+                            continue
                     yield delta
         finally:
             if not released:
