@@ -134,5 +134,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, int64_t 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)");
+  // The kernel touches no Python object: it lets go of the GIL, so the worker's I/O thread can move tokens
+  // and take requests while the engine thread is in here (torch's own ops do the same).
+  m.def("paged_decode", &paged_decode, "paged decode attention (fp32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }
