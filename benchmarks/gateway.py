@@ -25,8 +25,19 @@ Reported:
 The client (`_http.py`) keeps one connection per simulated user and takes the send time when the request
 bytes go to the socket, so the client's own request building is not charged to the server.
 
-`--quick` (about 90 s) runs 16 requests with outputs of 32..64 tokens instead of 32 requests with 32..128. The last stdout line is the JSON result; a copy
-goes to `benchmarks/results/gateway-<timestamp>.json`.
+`--quick` (about 90 s) runs 16 requests with outputs of 32..64 tokens instead of 32 requests with 32..128.
+The last stdout line is the JSON result; a copy goes to `benchmarks/results/gateway-<timestamp>.json`.
+
+What moves `ttft_p50_added_ms` here (2026-11-22, per-request timestamps in the gateway and the worker):
+- Half the requests of a full run, and all of a quick one, are sent 16 at once. The gateway takes them one
+  after another, about 0.25 ms each (validation, preprocessing, routing, the channel write), so the
+  16th leaves it about 4 ms after the first.
+- The worker's I/O thread takes the first request at once, then often nothing for 3 to 6 ms, then the rest
+  together: the engine thread has started prefilling the first. Niceness 19 or SCHED_IDLE for the engine
+  threads did not change that. On this VM a thread that sleeps for 0.2 ms wakes up to 4 ms late even on an
+  idle machine (p99 0.64 ms), and the path has several such wake-ups (client, gateway, worker I/O).
+- The way out (first token to client) is 1.3 to 2 ms, up to 5 ms when several first tokens leave one step.
+- Full runs at one commit (7e55a70..37c627a) gave 5.4, 6.4 and 7.2 ms, quick runs 4.7 to 10.5 ms.
 """
 
 from __future__ import annotations
