@@ -70,12 +70,13 @@ Measured here (full runs, quiet machine; goodput in requests per modelled second
     50 ms 1.0x, 100 ms 9.5 vs 11.2 (0.85x)
     quick (limit 2): both 10.0 at 10/s, ratio 1.0; by ITL target 20 ms 2.8-3.2x, 25 ms 1.6-1.8x, 30 ms 1.7x,
     40 ms and up 1.0x
-    the first token streamed from the prefill worker (37c627a), load 2-4.5, send lag 412 ms at agg's 10/s:
-    disagg    2.0   4.0   6.0   8.0   9.8   7.15   TTFT p50 276 280 312 372 458 477 ms
-    agg       2.0   4.0   6.0   7.85  7.7   2.75   TTFT p50 274 288 294 308 381 507 ms
-    goodput_ratio 1.25, but agg's 8 and 10/s were flagged (the client could not send on time), so this is
-    not a clean comparison; disagg's TTFT at 2-4/s is now agg's (it was about 50 ms more: the decode
-    worker's read and its next step were in it). MLPerf's Llama-2-70B interactive targets (TTFT <= 450 ms,
+    the first token streamed from the prefill worker (3371890, quiet: steal 0.5%, send lag p99 <= 25 ms):
+    disagg    2.0   4.0   6.0   8.0   9.9   7.25   TTFT p50 273 278 288 376 430 460 ms
+    agg       2.0   4.0   6.0   8.0   9.45  6.05   TTFT p50 272 280 283 290 305 387 ms
+    goodput_ratio 1.05; by ITL target 20 ms 2.1x, 25 ms 1.5x, 30 ms 1.1x, 40 ms 1.5x, 100 ms 0.99x.
+    Disagg's TTFT at 2-6/s is now agg's (it was about 50 ms more: the decode worker's read and its next
+    step were in it). A run beside other load (agg's 8 and 10/s flagged, 412 ms send lag) gave 1.25: agg's
+    knee is what moves. MLPerf's Llama-2-70B interactive targets (TTFT <= 450 ms,
     ITL <= 40 ms; `--slo-ttft-ms 450 --slo-itl-ms 40`, before that change): disagg 4.3, agg 5.2 (0.83x):
     two prefill workers queue prompts past 450 ms sooner than four aggregated ones.
 
