@@ -64,6 +64,18 @@ def test_streamed_chat_equals_unstreamed_and_reports_usage(client: openai.OpenAI
     assert len({c.id for c in chunks}) == 1
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client: openai.OpenAI) -> None:
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+    ))
+    running = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert all(c.usage is not None for c in chunks if c.choices)
+    assert running == sorted(running) and running[-1] == 10 and running[0] < 10
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+
+
 def test_sse_wire_format_ends_with_done(gateway: Any) -> None:
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{gateway.url}/v1/completions", json=body, timeout=60) as response:

@@ -181,8 +181,10 @@ class _Run:
                prepared: Prepared) -> _Run:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         response_id = f"{prefix}-{secrets.token_hex(12)}"
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        builder = ResponseBuilder(kind, response_id, body.model, state.tokenizer, include_usage=include_usage,
+        options = body.stream_options
+        builder = ResponseBuilder(kind, response_id, body.model, state.tokenizer,
+                                  include_usage=bool(options and options.include_usage),
+                                  continuous_usage=bool(options and options.continuous_usage_stats),
                                   num_prompts=len(prepared.prompts))
         requests = [GenerateRequest(request_id=f"{response_id}-{p * prepared.n + i}", token_ids=prompt,
                                     params=params)
@@ -276,7 +278,8 @@ class _Run:
             async with contextlib.aclosing(self._deltas()) as deltas:
                 async for index, delta in deltas:
                     self._observe(index, delta)
-                    piece = b"".join(builder.delta_chunks(self.choices[index], delta))
+                    usage = builder.usage(self.choices) if builder.continuous_usage else None
+                    piece = b"".join(builder.delta_chunks(self.choices[index], delta, usage))
                     if all(c.finish_reason is not None for c in self.choices):
                         tail = piece
                     elif piece:

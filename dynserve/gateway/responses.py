@@ -3,7 +3,9 @@
 Chat and text completions differ only in a handful of field names, so one `ResponseBuilder` per request
 knows which it is making. Chunks are encoded with msgspec straight to SSE bytes (`data: {...}\\n\\n`), the
 stream ends with `data: [DONE]`, exactly as OpenAI streams; with `stream_options.include_usage` every
-chunk carries `"usage": null` and a last chunk with empty `choices` carries the usage.
+chunk carries `"usage": null` and a last chunk with empty `choices` carries the usage. With
+`continuous_usage_stats` too (vLLM's extension), each chunk of text or of a finish carries the usage so far
+instead of null.
 """
 
 from __future__ import annotations
@@ -51,29 +53,32 @@ class ChoiceState:
 
 class ResponseBuilder:
     def __init__(self, kind: Literal["chat", "completion"], response_id: str, model: str, tokenizer: Tokenizer,
-                 *, include_usage: bool, num_prompts: int) -> None:
+                 *, include_usage: bool, num_prompts: int, continuous_usage: bool = False) -> None:
         self.kind, self.id, self.model, self.tokenizer = kind, response_id, model, tokenizer
         self.created = int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = include_usage and continuous_usage
         self.num_prompts = num_prompts
         self.object = "chat.completion" if kind == "chat" else "text_completion"
         self.chunk_object = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
     # ---- streaming ------------------------------------------------------------------------------------
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
         payload: dict[str, Any] = {"id": self.id, "object": self.chunk_object, "created": self.created,
                                    "model": self.model, "choices": choices}
         if self.include_usage:
-            payload["usage"] = None
+            payload["usage"] = usage
         return sse(payload)
 
     def role_chunk(self, index: int) -> bytes:
         return self._chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}])
 
-    def delta_chunks(self, state: ChoiceState, delta: TokenDelta) -> list[bytes]:
-        """The chunks for one (merged) delta: its text (and logprobs), then its finish reason if it ended."""
+    def delta_chunks(self, state: ChoiceState, delta: TokenDelta,
+                     usage: dict[str, Any] | None = None) -> list[bytes]:
+        """The chunks for one (merged) delta: its text (and logprobs), then its finish reason if it ended;
+        `usage` (the usage so far, with `continuous_usage`) goes in each."""
         out = []
         if delta.text or delta.logprobs:
             logprobs = self._logprobs(delta.logprobs or [], state) if delta.logprobs else None
@@ -82,14 +87,14 @@ class ResponseBuilder:
                           "finish_reason": None}
             else:
                 choice = {"index": state.index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
-            out.append(self._chunk([choice]))
+            out.append(self._chunk([choice], usage))
         state.text_offset += len(delta.text)
         if delta.finished:
             if self.kind == "chat":
                 choice = {"index": state.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
             else:
                 choice = {"index": state.index, "text": "", "logprobs": None, "finish_reason": delta.finish_reason}
-            out.append(self._chunk([choice]))
+            out.append(self._chunk([choice], usage))
         return out
 
     def usage_chunk(self, states: list[ChoiceState]) -> bytes:
