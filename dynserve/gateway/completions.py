@@ -196,8 +196,8 @@ class _Run:
     def __init__(self, state: GatewayState, kind: Kind, requests: list[GenerateRequest],
                  builder: ResponseBuilder) -> None:
         self.state, self.kind, self.requests, self.builder = state, kind, requests, builder
-        self.endpoint = "chat/completions" if kind == "chat" else "completions"
-        self.series = state.metrics.endpoints[self.endpoint]
+        self.endpoint = _ENDPOINTS[kind]
+        self.series = state.metrics.endpoint(self.endpoint)
         self.choices = [ChoiceState(i) for i in range(len(requests))]
         self.start_s = time.perf_counter()
         self.first_token_s: float | None = None

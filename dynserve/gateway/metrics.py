@@ -12,17 +12,18 @@ gateway with one worker has no router: its router histograms stay empty and `dyn
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
+from dynserve.gateway.disagg import PrefillPath
 from dynserve.protocol import WorkerLoad
 
 if TYPE_CHECKING:
     from dynserve.router.cost import Decision
     from dynserve.router.router import Router
 
-__all__ = ["ENDPOINTS", "EndpointSeries", "GatewayMetrics"]
+__all__ = ["EndpointSeries", "GatewayMetrics"]
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                       7.5, 10.0, 20.0, 40.0, 80.0)
@@ -30,9 +31,6 @@ _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15
 _DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _EVENT_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
-
-
-ENDPOINTS = ("chat/completions", "completions")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +108,21 @@ class GatewayMetrics:
             "dynserve_router_hot_spot_picks", "Picks made by the hot-spot guard, not by the cost",
             registry=registry)
         self._router_mode = "none"
-        # Labelled series that change per token or per request are looked up once: `labels()` takes a lock
-        # and validates its arguments, which per token is a measurable share of the gateway's CPU.
-        self.endpoints = {endpoint: EndpointSeries(self.ttft.labels(endpoint), self.itl.labels(endpoint),
-                                                   self.e2e.labels(endpoint))
-                          for endpoint in ENDPOINTS}
+        self._endpoints: dict[str, EndpointSeries] = {}
+
+    def endpoint(self, endpoint: str) -> EndpointSeries:
+        """`endpoint`'s latency histograms, labelled on its first request and kept: `labels()` takes a lock
+        and validates its arguments, which per token is a measurable share of the gateway's CPU."""
+        series = self._endpoints.get(endpoint)
+        if series is None:
+            series = self._endpoints[endpoint] = EndpointSeries(
+                self.ttft.labels(endpoint), self.itl.labels(endpoint), self.e2e.labels(endpoint))
+        return series
 
     def expect_disaggregation(self) -> None:
         """Export every disaggregation path and fallback reason at 0, so dashboards and alerts see a series
         (and `rate()` a start) before the first request takes it."""
-        for path in ("remote", "short_prompt", "prefill_queue", "no_prefill_worker"):
+        for path in get_args(PrefillPath):
             self.disagg_requests.labels(path)
         for reason in ("prefill_failed", "transfer_error", "transfer_timeout", "no_blocks", "lease_expired"):
             self.disagg_fallbacks.labels(reason)
