@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +110,94 @@ def test_step_time_follows_the_profile_and_the_speedup(tokenizer: Tokenizer) -> 
         assert [len(r.token_ids) for r in results] == [6] * 4 and engine.stats.num_steps == 6
         assert engine.simulated_busy_s == pytest.approx(expected_s / speedup, rel=1e-6)
         assert expected_s / speedup * 0.95 <= elapsed_s <= expected_s / speedup * 1.5 + 0.05, (speedup, elapsed_s)
+
+
+class _ListSink:
+    """Collects a request's deltas and errors, and the threads they were delivered on."""
+
+    def __init__(self) -> None:
+        self.deltas: list[Any] = []
+        self.errors: list[Any] = []
+        self.threads: set[int] = set()
+        self.done = asyncio.Event()
+
+    def deliver(self, deltas: list[Any]) -> None:
+        self.threads.add(threading.get_ident())
+        self.deltas += deltas
+        if any(d.finished for d in deltas):
+            self.done.set()
+
+    def fail(self, error: Any) -> None:
+        self.threads.add(threading.get_ident())
+        self.errors.append(error)
+        self.done.set()
+
+
+def test_in_a_worker_the_mocker_steps_on_the_event_loop_at_the_profiles_pace(tokenizer: Tokenizer) -> None:
+    """The worker's driver for a mocker (`InlineEngineLoop`): no thread, steps paced by the loop's timer
+    from `next_step_s`, the same tokens and modelled time as the sleeping offline engine."""
+    from dynserve.protocol import GenerateRequest
+    from dynserve.workers.engine_loop import InlineEngineLoop
+
+    profile = _profile()
+    prompts = [tokenizer.encode(f"Question {i}: " + "why is the sky blue? " * 30) for i in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    offline = _engine(tokenizer, profile).generate(prompts, params)
+    engine = MockEngine(Settings(mocker="cpu", kv_blocks=256), tokenizer, profile, sleep=False)
+
+    async def serve() -> tuple[float, list[_ListSink]]:
+        driver = InlineEngineLoop(lambda: engine)
+        assert driver.start() is engine
+        driver.attach(asyncio.get_running_loop())
+        threads_before = threading.active_count()
+        sinks = [_ListSink() for _ in prompts]
+        start = time.monotonic()
+        for i, (prompt, sink) in enumerate(zip(prompts, sinks, strict=True)):
+            driver.submit(GenerateRequest(request_id=f"r{i}", token_ids=prompt, params=params), sink)
+        await asyncio.wait_for(asyncio.gather(*(sink.done.wait() for sink in sinks)), 10)
+        elapsed_s = time.monotonic() - start
+        assert threading.active_count() == threads_before and driver.num_open_requests == 0
+        assert [t.request_id for t in driver.recent_timings()] == ["r0", "r1", "r2", "r3"]
+        await asyncio.to_thread(driver.stop)  # from another thread, as the worker stops it
+        assert not driver.is_alive
+        return elapsed_s, sinks
+
+    elapsed_s, sinks = asyncio.run(serve())
+    for sink, result in zip(sinks, offline, strict=True):
+        assert not sink.errors and sink.threads == {threading.get_ident()}  # delivered on the loop's thread
+        assert [t for d in sink.deltas for t in d.token_ids] == result.token_ids
+    assert engine.stats.num_steps == 6
+    modelled_s = engine.simulated_busy_s  # one prefill step of the 4 prompts, then 5 decode steps
+    assert modelled_s > 0.2
+    assert modelled_s * 0.95 <= elapsed_s <= modelled_s * 1.5 + 0.05, (modelled_s, elapsed_s)
+
+
+def test_stopping_the_inline_loop_fails_what_is_open_and_refuses_calls(tokenizer: Tokenizer) -> None:
+    from dynserve.protocol import GenerateRequest
+    from dynserve.workers.engine_loop import InlineEngineLoop
+
+    engine = MockEngine(Settings(mocker="cpu", kv_blocks=256), tokenizer, _profile(), sleep=False)
+
+    async def serve() -> _ListSink:
+        driver = InlineEngineLoop(lambda: engine)
+        driver.start()
+        driver.attach(asyncio.get_running_loop())
+        sink = _ListSink()
+        driver.submit(GenerateRequest(request_id="long", token_ids=tokenizer.encode("Tell me a story."),
+                                      params=SamplingParams(max_tokens=500, temperature=0)), sink)
+        while not sink.deltas:
+            await asyncio.sleep(0.01)
+        # a call from another thread runs between steps, on the loop
+        num_open = await asyncio.to_thread(lambda: driver.call(lambda e: e.num_unfinished_requests).result(5))
+        assert num_open == 1
+        await asyncio.to_thread(driver.stop)
+        await asyncio.sleep(0.2)
+        assert not driver.is_alive and driver.num_open_requests == 0
+        return sink
+
+    sink = asyncio.run(serve())
+    assert len(sink.errors) == 1 and sink.errors[0].retryable and sink.errors[0].request_id == "long"
+    assert not any(d.finished for d in sink.deltas)
 
 
 def test_step_work_counts_uncached_prefill_and_decode_context(tokenizer: Tokenizer) -> None:

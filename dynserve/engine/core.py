@@ -285,6 +285,13 @@ class EngineCore(abc.ABC):
         return True
 
     @property
+    def next_step_s(self) -> float:
+        """The earliest `time.monotonic()` at which the next step should start: a real engine's steps take
+        their own time (0.0, at once); a simulated one that does not sleep through its steps says when its
+        modelled time is up."""
+        return 0.0
+
+    @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 

@@ -1,29 +1,39 @@
-"""Drives one engine (an `EngineCore`: the model's or the mocker's) on its own thread and hands its output
-to an asyncio loop.
+"""Drives one engine (an `EngineCore`: the model's or the mocker's) and hands its output to an asyncio loop.
+Two drivers share the bookkeeping (`_Driver`: open requests, per-request timings, KV reads, delivery):
 
-The engine is built on that same thread (`start` runs the builder there and waits for it): torch's
-OpenMP thread team belongs to the thread that first runs a parallel op, and an engine stepping on one
-thread after its model was loaded and warmed up on another runs 40-50% slower on CPU (measured here).
-
-The engine is single-threaded; this module is the only place that touches it while a worker runs. Other
-threads talk to it through a command queue (`submit`, `abort`, `stop`), and the loop thread blocks on that
-queue when the engine is idle, so an idle worker costs no CPU. After every engine step the deltas are
-grouped by the `Sink` that owns each request and handed to the loop; steps the loop has not taken yet go
-with the same wake-up (`_call`).
+- `EngineLoop` steps the engine on its own thread, for engines whose steps compute (the model's). The
+  engine is built on that same thread (`start` runs the builder there and waits for it): torch's OpenMP
+  thread team belongs to the thread that first runs a parallel op, and an engine stepping on one thread
+  after its model was loaded and warmed up on another runs 40-50% slower on CPU (measured here). Other
+  threads talk to it through a command queue (`submit`, `abort`, `stop`), and the thread blocks on that
+  queue when the engine is idle, so an idle worker costs no CPU. After every step the deltas are grouped
+  by the `Sink` that owns each request and handed to the loop; steps the loop has not taken yet go with
+  the same wake-up (`_call`).
+- `InlineEngineLoop` steps the engine as a task on the asyncio loop itself, for engines whose steps cost
+  microseconds of Python and never block (the mocker's: `step()` returns at once and `next_step_s` says
+  when its modelled time is up). No thread, no command queue, no hand-off and no GIL traffic between two
+  threads per step: at a high speedup those cost a mocker more CPU than its steps (measured: the engine
+  thread of a mocker at 2 tokens a step spent twice the CPU of its I/O thread). After each step the task
+  waits for the step's modelled end, then delivers its tokens: on the loop's timer when that end is at
+  least `_MIN_SLEEP_S` ahead, else with a bare yield (the engine's clock carries the difference into the
+  next step). Either way the loop serves I/O between steps.
 
 KV reads for requests prefilled elsewhere (`EngineCore.drain_receives`) run on a small thread pool through
 the worker's `kv_reader`, so the engine keeps stepping other requests while pages arrive; each read's end
-comes back as a command. While prefills are held under lease, an idle loop wakes when the oldest ends.
+comes back to the driver (a command, or a callback on the loop). While prefills are held under lease, an
+idle driver wakes when the oldest ends.
 
-Invariants: every submitted request ends with exactly one finished delta or one error at its sink, unless
-it was aborted (an aborted request ends silently, its blocks freed before the next step); if the engine
-itself fails, every open request gets a retryable error and the loop stops.
+Invariants: the engine is single-threaded and only its driver touches it while a worker runs; every
+submitted request ends with exactly one finished delta or one error at its sink, unless it was aborted (an
+aborted request ends silently, its blocks freed before the next step); if the engine itself fails, every
+open request gets a retryable error and the driver stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import queue
@@ -38,11 +48,12 @@ from dynserve.engine.core import EngineCore, ReceivePlan
 from dynserve.errors import InvalidRequestError, KVTransferTimeoutError
 from dynserve.protocol import GenerateRequest, KVEvent, RequestError, RequestTiming, TokenDelta
 
-__all__ = ["EngineLoop", "Sink"]
+__all__ = ["EngineLoop", "InlineEngineLoop", "Sink"]
 
 logger = logging.getLogger(__name__)
 
 NUM_TIMINGS_KEPT = 4096
+_MIN_SLEEP_S = 0.001  # the asyncio loop's timers have millisecond resolution: shorter waits are not slept
 
 
 class Sink(Protocol):
@@ -86,27 +97,146 @@ KVReader = Callable[[ReceivePlan], None]
 _MAX_CONCURRENT_READS = 4
 
 
-class EngineLoop:
+class _Driver:
+    """What both drivers keep: the open requests and their sinks, recent timings, the KV read pool. Calls
+    run on the driver's side (the engine thread, or the loop for the inline driver) unless marked."""
+
+    def __init__(self, build: Callable[[], EngineCore], *, on_kv_events: Callable[[list[KVEvent]], None] | None,
+                 kv_reader: KVReader | None) -> None:
+        self._build = build
+        self.kv_reader = kv_reader
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._on_kv_events = on_kv_events  # called on the asyncio loop with each step's KV events, in order
+        self.engine: EngineCore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open: dict[str, _Open] = {}
+        self._timings: deque[RequestTiming] = deque(maxlen=NUM_TIMINGS_KEPT)
+        self.failure: BaseException | None = None
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._open)
+
+    def recent_timings(self) -> list[RequestTiming]:
+        """Timings of up to the last 4096 finished requests, oldest first."""
+        return list(self._timings)
+
+    def _call(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the asyncio loop, after everything handed over before it."""
+        raise NotImplementedError
+
+    def _begin_read(self, plan: ReceivePlan) -> None:
+        """Start reading `plan` on the pool; its end comes back through `_deliver_first`."""
+        raise NotImplementedError
+
+    def _forward_kv_events(self, engine: EngineCore) -> None:
+        if self._on_kv_events is None:
+            return
+        events = engine.drain_kv_events()
+        if events:
+            on_kv_events = self._on_kv_events
+            self._call(lambda: on_kv_events(events))
+
+    def _fail_open(self, message: str) -> None:
+        errors = [(o.sink, RequestError(request_id=rid, message=message, retryable=True))
+                  for rid, o in self._open.items()]
+        self._open.clear()
+        if errors:
+            self._call(lambda: [sink.fail(error) for sink, error in errors])
+
+    def _start_receives(self, engine: EngineCore) -> None:
+        for plan in engine.drain_receives():
+            if plan.fallback is not None:  # nothing to read: the request prefills here
+                self._deliver_first(engine, plan.request_id, plan.fallback)
+                continue
+            if not plan.local_block_ids:  # this engine already caches every block of the prompt
+                self._deliver_first(engine, plan.request_id, None)
+                continue
+            if self.kv_reader is None:  # no way to read remote blocks: prefill here
+                self._deliver_first(engine, plan.request_id, "transfer_error")
+                continue
+            self._begin_read(plan)
+
+    def _reader_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._readers is None:
+            self._readers = concurrent.futures.ThreadPoolExecutor(_MAX_CONCURRENT_READS, "kv-read")
+        return self._readers
+
+    def _read(self, plan: ReceivePlan) -> str | None:
+        """On a pool thread: read one request's KV; None, or why it failed."""
+        assert self.kv_reader is not None
+        try:
+            self.kv_reader(plan)
+        except KVTransferTimeoutError as exc:
+            logger.warning("request %s: KV read timed out (%s); prefilling locally", plan.request_id, exc)
+            return "transfer_timeout"
+        except Exception as exc:  # any failure to get the pages costs a local prefill, never the request
+            logger.warning("request %s: KV read failed (%s); prefilling locally", plan.request_id, exc)
+            return "transfer_error"
+        return None
+
+    def _deliver_first(self, engine: EngineCore, request_id: str, failure: str | None) -> None:
+        delta = engine.complete_receive(request_id, failure)
+        if delta is not None:
+            self._deliver([delta])
+
+    def _abort(self, request_id: str) -> None:
+        assert self.engine is not None
+        if self._open.pop(request_id, None) is not None:
+            self.engine.abort(request_id)
+        else:
+            self.engine.release(request_id)  # a prefill held for a decode worker that is gone
+
+    def _add(self, request: GenerateRequest, sink: Sink, arrival_s: float,
+             errors: list[tuple[Sink, RequestError]]) -> None:
+        assert self.engine is not None
+        try:
+            self.engine.add_request(request.token_ids, request.params, request.request_id,
+                                    prefill_only=request.prefill_only, remote=request.remote_prefill)
+        except InvalidRequestError as exc:
+            errors.append((sink, RequestError(request_id=request.request_id, message=str(exc), param=exc.param)))
+            return
+        self._open[request.request_id] = _Open(sink, arrival_s)
+
+    def _deliver(self, deltas: list[TokenDelta]) -> None:
+        if not deltas:
+            return
+        now = time.monotonic()
+        by_sink: dict[int, tuple[Sink, list[TokenDelta]]] = {}
+        for delta in deltas:
+            state = self._open.get(delta.request_id)
+            if state is None:
+                continue
+            if state.first_token_s is None:
+                state.first_token_s = now
+            if delta.finished:
+                del self._open[delta.request_id]
+                self._timings.append(RequestTiming(
+                    request_id=delta.request_id, arrival_s=state.arrival_s, first_token_s=state.first_token_s,
+                    finished_s=now, num_prompt_tokens=delta.num_prompt_tokens,
+                    num_cached_tokens=delta.num_cached_tokens, num_output_tokens=delta.num_output_tokens,
+                    finish_reason=delta.finish_reason,
+                ))
+            by_sink.setdefault(id(state.sink), (state.sink, []))[1].append(delta)
+        groups = list(by_sink.values())
+        self._call(lambda: [sink.deliver(batch) for sink, batch in groups])
+
+
+class EngineLoop(_Driver):
+    """Steps the engine on its own thread (see the module doc)."""
+
     def __init__(self, build: Callable[[], EngineCore], *, name: str = "engine", nice: int = 0,
                  on_kv_events: Callable[[list[KVEvent]], None] | None = None,
                  kv_reader: KVReader | None = None) -> None:
         """`kv_reader(plan)` reads a remote prefill's blocks (on a pool thread), raising KVTransferError when
         it cannot; without one, such requests prefill here."""
-        self._build = build
-        self.kv_reader = kv_reader
-        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
-        self._on_kv_events = on_kv_events  # called on the asyncio loop with each step's KV events, in order
+        super().__init__(build, on_kv_events=on_kv_events, kv_reader=kv_reader)
         self._nice = nice
         self._built = threading.Event()
-        self.engine: EngineCore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
-        self._open: dict[str, _Open] = {}  # touched by the engine thread only
-        self._timings: deque[RequestTiming] = deque(maxlen=NUM_TIMINGS_KEPT)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._handover: list[Callable[[], object]] = []  # for the loop, oldest first (see `_call`)
         self._handover_lock = threading.Lock()
-        self.failure: BaseException | None = None
 
     # ---- any thread ----------------------------------------------------------------------------------
 
@@ -149,14 +279,6 @@ class EngineLoop:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.failure is None and self.engine is not None
 
-    @property
-    def num_open_requests(self) -> int:
-        return len(self._open)
-
-    def recent_timings(self) -> list[RequestTiming]:
-        """Timings of up to the last 4096 finished requests, oldest first."""
-        return list(self._timings)
-
     # ---- the engine thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -187,14 +309,6 @@ class EngineLoop:
             logger.exception("engine loop failed; failing %d open requests", len(self._open))
             self._fail_open(f"the worker's engine failed: {exc}")
 
-    def _forward_kv_events(self, engine: EngineCore) -> None:
-        if self._on_kv_events is None:
-            return
-        events = engine.drain_kv_events()
-        if events:
-            on_kv_events = self._on_kv_events
-            self._call(lambda: on_kv_events(events))
-
     def _fail_open(self, message: str) -> None:
         while True:  # calls queued behind the stop get an answer too
             try:
@@ -203,45 +317,10 @@ class EngineLoop:
                 break
             if isinstance(command, _Call):
                 command.future.set_exception(RuntimeError("the engine loop has stopped"))
-        errors = [(o.sink, RequestError(request_id=rid, message=message, retryable=True))
-                  for rid, o in self._open.items()]
-        self._open.clear()
-        if errors:
-            self._call(lambda: [sink.fail(error) for sink, error in errors])
+        super()._fail_open(message)
 
-    def _start_receives(self, engine: EngineCore) -> None:
-        for plan in engine.drain_receives():
-            if plan.fallback is not None:  # nothing to read: the request prefills here
-                self._deliver_first(engine, plan.request_id, plan.fallback)
-                continue
-            if not plan.local_block_ids:  # this engine already caches every block of the prompt
-                self._deliver_first(engine, plan.request_id, None)
-                continue
-            if self.kv_reader is None:  # no way to read remote blocks: prefill here
-                self._deliver_first(engine, plan.request_id, "transfer_error")
-                continue
-            if self._readers is None:
-                self._readers = concurrent.futures.ThreadPoolExecutor(_MAX_CONCURRENT_READS, "kv-read")
-            self._readers.submit(self._read, plan)
-
-    def _read(self, plan: ReceivePlan) -> None:
-        """On a pool thread: read one request's KV, then hand the outcome to the engine thread."""
-        assert self.kv_reader is not None
-        failure = None
-        try:
-            self.kv_reader(plan)
-        except KVTransferTimeoutError as exc:
-            logger.warning("request %s: KV read timed out (%s); prefilling locally", plan.request_id, exc)
-            failure = "transfer_timeout"
-        except Exception as exc:  # any failure to get the pages costs a local prefill, never the request
-            logger.warning("request %s: KV read failed (%s); prefilling locally", plan.request_id, exc)
-            failure = "transfer_error"
-        self._commands.put(_Received(plan.request_id, failure))
-
-    def _deliver_first(self, engine: EngineCore, request_id: str, failure: str | None) -> None:
-        delta = engine.complete_receive(request_id, failure)
-        if delta is not None:
-            self._deliver([delta])
+    def _begin_read(self, plan: ReceivePlan) -> None:
+        self._reader_pool().submit(lambda: self._commands.put(_Received(plan.request_id, self._read(plan))))
 
     def _apply_commands(self, block: bool, wake_s: float | None = None) -> bool:
         """Apply queued commands (waiting for one when `block`, until `wake_s` at most); False once asked to
@@ -257,16 +336,13 @@ class EngineLoop:
                 if isinstance(command, _Stop):
                     return False
                 if isinstance(command, str):
-                    if self._open.pop(command, None) is not None and self.engine is not None:
-                        self.engine.abort(command)
-                    elif self.engine is not None:
-                        self.engine.release(command)  # a prefill held for a decode worker that is gone
+                    self._abort(command)
                 elif isinstance(command, _Received):
-                    if self.engine is not None:
-                        self._deliver_first(self.engine, command.request_id, command.failure)
+                    assert self.engine is not None
+                    self._deliver_first(self.engine, command.request_id, command.failure)
                 elif isinstance(command, _Release):
-                    if self.engine is not None:
-                        self.engine.release(command.request_id)
+                    assert self.engine is not None
+                    self.engine.release(command.request_id)
                 elif isinstance(command, _Call):
                     _run_call(command, self.engine)
                 else:
@@ -278,40 +354,6 @@ class EngineLoop:
             if errors:
                 self._call(lambda: [sink.fail(error) for sink, error in errors])
         return True
-
-    def _add(self, request: GenerateRequest, sink: Sink, arrival_s: float,
-             errors: list[tuple[Sink, RequestError]]) -> None:
-        assert self.engine is not None
-        try:
-            self.engine.add_request(request.token_ids, request.params, request.request_id,
-                                    prefill_only=request.prefill_only, remote=request.remote_prefill)
-        except InvalidRequestError as exc:
-            errors.append((sink, RequestError(request_id=request.request_id, message=str(exc), param=exc.param)))
-            return
-        self._open[request.request_id] = _Open(sink, arrival_s)
-
-    def _deliver(self, deltas: list[TokenDelta]) -> None:
-        if not deltas:
-            return
-        now = time.monotonic()
-        by_sink: dict[int, tuple[Sink, list[TokenDelta]]] = {}
-        for delta in deltas:
-            state = self._open.get(delta.request_id)
-            if state is None:
-                continue
-            if state.first_token_s is None:
-                state.first_token_s = now
-            if delta.finished:
-                del self._open[delta.request_id]
-                self._timings.append(RequestTiming(
-                    request_id=delta.request_id, arrival_s=state.arrival_s, first_token_s=state.first_token_s,
-                    finished_s=now, num_prompt_tokens=delta.num_prompt_tokens,
-                    num_cached_tokens=delta.num_cached_tokens, num_output_tokens=delta.num_output_tokens,
-                    finish_reason=delta.finish_reason,
-                ))
-            by_sink.setdefault(id(state.sink), (state.sink, []))[1].append(delta)
-        groups = list(by_sink.values())
-        self._call(lambda: [sink.deliver(batch) for sink, batch in groups])
 
     def _call(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the asyncio loop, after everything handed over before it. While the loop has not yet
@@ -334,6 +376,143 @@ class EngineLoop:
             handover, self._handover = self._handover, []
         for fn in handover:
             fn()
+
+
+class InlineEngineLoop(_Driver):
+    """Steps a non-blocking engine as a task on the asyncio loop (see the module doc). Its methods may be
+    called from any thread; off the loop they are passed to it."""
+
+    def __init__(self, build: Callable[[], EngineCore], *,
+                 on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+                 kv_reader: KVReader | None = None) -> None:
+        super().__init__(build, on_kv_events=on_kv_events, kv_reader=kv_reader)
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop_thread: int | None = None
+        self._stopped = False
+
+    def start(self) -> EngineCore:
+        """Build the engine (here, now) and return it; it steps once `attach` gives it a loop."""
+        self.engine = self._build()
+        return self.engine
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Step on `loop` from now on; call on that loop, before the first `submit`."""
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._drive(), name="engine")
+
+    def submit(self, request: GenerateRequest, sink: Sink) -> None:
+        if self._elsewhere(self.submit, request, sink):
+            return
+        errors: list[tuple[Sink, RequestError]] = []
+        self._add(request, sink, time.monotonic(), errors)
+        for failed, error in errors:
+            failed.fail(error)
+        self._poke()
+
+    def abort(self, request_id: str) -> None:
+        if not self._elsewhere(self.abort, request_id) and self.engine is not None:
+            self._abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free the KV a prefill-only request holds for its decode worker."""
+        if not self._elsewhere(self.release, request_id) and self.engine is not None:
+            self.engine.release(request_id)
+
+    def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future[object]:
+        """Run `fn(engine)` between steps (at once, on the loop)."""
+        future: concurrent.futures.Future[object] = concurrent.futures.Future()
+        if not self._elsewhere(_run_call, _Call(fn, future), self.engine):
+            _run_call(_Call(fn, future), self.engine)
+        return future
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop stepping and fail what is open (retryable)."""
+        done = threading.Event()
+        if not self._elsewhere(self._stop_here, done):
+            self._stop_here(done)
+        done.wait(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        return (self.engine is not None and self.failure is None and not self._stopped
+                and (self._task is None or not self._task.done()))
+
+    # ---- on the loop ---------------------------------------------------------------------------------
+
+    def _elsewhere(self, fn: Callable[..., object], *args: object) -> bool:
+        """True when called off the loop's thread: `fn(*args)` is then queued on the loop instead."""
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            return False
+        with contextlib.suppress(RuntimeError):  # a closed loop: nothing is served any more
+            self._loop.call_soon_threadsafe(fn, *args)
+        return True
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _stop_here(self, done: threading.Event) -> None:
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+        if self._readers is not None:
+            self._readers.shutdown(wait=False, cancel_futures=True)
+        self._fail_open("the worker is stopping")
+        done.set()
+
+    def _call(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()  # already on the loop
+        except Exception:  # a sink that breaks loses its own output, never the engine's other requests
+            logger.exception("delivering the engine's output failed")
+
+    def _begin_read(self, plan: ReceivePlan) -> None:
+        assert self._loop is not None
+        read = self._loop.run_in_executor(self._reader_pool(), self._read, plan)
+        read.add_done_callback(lambda done: self._end_read(plan.request_id, done))
+
+    def _end_read(self, request_id: str, read: asyncio.Future[str | None]) -> None:
+        if read.cancelled() or self._stopped or self.engine is None:
+            return
+        self._deliver_first(self.engine, request_id, read.result())
+        self._poke()
+
+    async def _idle(self, wake_s: float | None) -> None:
+        """Wait for a request (or `wake_s`, when the oldest lease ends)."""
+        assert self._wake is not None
+        self._wake.clear()
+        if wake_s is None:
+            await self._wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), max(0.0, wake_s - time.monotonic()))
+
+    async def _drive(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        try:
+            while True:
+                if not engine.has_unfinished_requests():
+                    await self._idle(engine.next_lease_end_s)
+                self._start_receives(engine)
+                if engine.num_leases:
+                    engine.expire_leases(time.monotonic())
+                if engine.has_unfinished_requests():
+                    deltas = engine.step()
+                    # the step's tokens exist at its modelled end; the wait (or, under the timer's
+                    # resolution, a bare yield) lets requests that come meanwhile join the next step
+                    wait_s = engine.next_step_s - time.monotonic()
+                    await asyncio.sleep(wait_s if wait_s >= _MIN_SLEEP_S else 0)
+                    self._deliver(deltas)  # a request aborted meanwhile is no longer open: skipped
+                self._forward_kv_events(engine)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the engine broke: nothing it holds can finish here
+            self.failure = exc
+            logger.exception("engine loop failed; failing %d open requests", len(self._open))
+            self._fail_open(f"the worker's engine failed: {exc}")
 
 
 def _run_call(call: _Call, engine: EngineCore | None) -> None:

@@ -24,7 +24,10 @@ Invariants:
   the prefix cache of the worker that wrote it. (A vocabulary with fewer than `_MIN_WORD_TOKENS` such
   words falls back to every non-control token.)
 - Steps are paced on a clock that carries over between back-to-back steps: a sleep that overshoots is taken
-  back from the next step, so a busy mocker keeps the profile's throughput; an idle one starts afresh.
+  back from the next step, so a busy mocker keeps the profile's throughput; an idle one starts afresh. In
+  a worker the engine does not sleep: it steps on the worker's event loop (`InlineEngineLoop`), which
+  waits for `next_step_s`; a step begun before the clock's time (a wait under the loop's timer resolution)
+  starts from the clock, so the debt carries over the same way.
 - Logprobs are synthetic but well-formed: the chosen token first and most likely, then `k - 1` others.
 """
 
@@ -83,10 +86,12 @@ class MockEngine(EngineCore):
     """An engine whose steps take the profile's time and whose tokens are pseudo-random."""
 
     def __init__(self, settings: Settings, tokenizer: Tokenizer | None = None,
-                 profile: MockerProfile | None = None) -> None:
+                 profile: MockerProfile | None = None, *, sleep: bool = True) -> None:
         """Profile `settings.mocker` (default `cpu`); tokenizer, vocabulary and model id of `settings.model`
         (default the bundled SmolLM2). KV blocks, context and scheduler limits are the profile's unless
-        settings set them."""
+        settings set them. `sleep`: each step sleeps until its modelled end (offline use, `generate`);
+        without, `step` returns at once and `next_step_s` says when the next may start (the worker's
+        `InlineEngineLoop` waits for it on its event loop)."""
         self.profile = profile or get_profile(settings.mocker or "cpu")
         path = resolve_model_path(settings.model)
         tokenizer = tokenizer or Tokenizer.load(path)
@@ -100,6 +105,7 @@ class MockEngine(EngineCore):
         self.speedup = settings.mocker_speedup
         self.simulated_busy_s = 0.0  # the sum of every step's modelled time (after the speedup)
         self._drawable_ids = _drawable_token_ids(tokenizer, tokenizer.special_token_ids | self._eos_ids)
+        self._sleep = sleep
         self._step_started_s = 0.0
         self._clock_s = 0.0
 
@@ -130,6 +136,10 @@ class MockEngine(EngineCore):
                 timeout_s=timeout_s, elapsed_s=timeout_s, cancelled=True)
         time.sleep(duration_s)
 
+    @property
+    def next_step_s(self) -> float:
+        return 0.0 if self._sleep else self._clock_s
+
     def step(self) -> list[TokenDelta]:
         self._step_started_s = time.monotonic()
         return super().step()
@@ -147,13 +157,14 @@ class MockEngine(EngineCore):
         return samples
 
     def _pace(self, duration_s: float) -> None:
-        """Sleep until this step's modelled end (see the module's invariants)."""
+        """Move the clock to this step's modelled end and, when sleeping, sleep until then (see the module's
+        invariants)."""
         self.simulated_busy_s += duration_s
         started_s = self._step_started_s
         start_s = self._clock_s if started_s - self._clock_s < _CATCH_UP_S else started_s
         self._clock_s = start_s + duration_s
         remaining_s = self._clock_s - time.monotonic()
-        if remaining_s > 0:
+        if self._sleep and remaining_s > 0:
             time.sleep(remaining_s)
 
     def _draw(self, seed: int | None, position: int, salt: int = 0) -> int:

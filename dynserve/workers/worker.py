@@ -3,14 +3,15 @@
 Ray places and starts the actor, and is how its owner asks for its info, load and recent timings and
 tells it to stop. Token traffic goes over the channel (`channel.py`): `start()` opens a TCP listener in the
 actor's event loop and returns a `WorkerInfo` with its address. `generate()` is also offered as a Ray
-streaming generator for callers that hold only the actor handle; both paths feed the same `EngineLoop`.
+streaming generator for callers that hold only the actor handle; both paths feed the same engine driver
+(`engine_loop.py`: a thread for a model's engine, the actor's event loop for a mocker's).
 
 Roles: `both` (aggregated), `prefill`, `decode`; the role labels the worker's load and metrics, and the
 pools and routers use it to pick workers. A prefill or decode worker with a model also owns a KV transfer
 connector (`kv_transfer/`) over its engine's KV cache: a prefill worker publishes the connector's metadata
 in its `WorkerInfo` (so in the registry); a decode worker reads prefilled pages with it, finding a prefill
 worker's metadata in the registry the first time it meets that worker. A mocker's reads are simulated
-(`MockEngine.simulate_read`). A read that fails costs a local prefill (`EngineLoop`), never the request.
+(`MockEngine.simulate_read`). A read that fails costs a local prefill (the engine driver), never the request.
 
 Draining (`drain`): the worker refuses new requests (retryable, so a gateway that has not yet seen it leave
 retries elsewhere), leaves the registry, lets its in-flight requests finish, then closes its channels after
@@ -110,7 +111,7 @@ class EngineWorker:
                  publish_events: bool = False) -> None:
         """`publish_events`: register on the event plane (Redis at `settings.redis_url`, else the one embedded
         in Ray), keep the lease alive, and publish every KV event there in order."""
-        from dynserve.workers.engine_loop import EngineLoop
+        from dynserve.workers.engine_loop import EngineLoop, InlineEngineLoop
 
         if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
             settings = settings.model_copy(update={"num_threads": len(os.sched_getaffinity(0))})
@@ -125,9 +126,13 @@ class EngineWorker:
         self._publish_events = publish_events
         self._outbox: asyncio.Queue[list[KVEvent]] | None = None
         self._background: list[asyncio.Task[None]] = []
-        self._runner = EngineLoop(lambda: _build_engine(settings), name=f"engine-{worker_id}",
-                                  nice=settings.engine_nice if on_cpu else 0,
-                                  on_kv_events=self._queue_kv_events if publish_events else None)
+        on_kv_events = self._queue_kv_events if publish_events else None
+        self._runner: EngineLoop | InlineEngineLoop
+        if settings.mocker is not None:  # microseconds of Python a step: it steps on this actor's event loop
+            self._runner = InlineEngineLoop(lambda: _build_engine(settings), on_kv_events=on_kv_events)
+        else:
+            self._runner = EngineLoop(lambda: _build_engine(settings), name=f"engine-{worker_id}",
+                                      nice=settings.engine_nice if on_cpu else 0, on_kv_events=on_kv_events)
         self.engine = self._runner.start()  # loads the model on the engine's own thread
         self.connector: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -353,7 +358,7 @@ class EngineWorker:
         return self._runner.num_open_requests + self._num_ray_streams
 
     async def stop(self) -> None:
-        """Stop accepting work, fail what is open (retryable), and stop the engine thread."""
+        """Stop accepting work, fail what is open (retryable), and stop the engine's driver."""
         self._draining = True
         if self._server is not None:
             self._server.close()
@@ -422,7 +427,7 @@ def _build_engine(settings: Settings) -> Any:
     if settings.mocker is not None:
         from dynserve.workers.mocker import MockEngine
 
-        return MockEngine(settings)  # nothing to warm up
+        return MockEngine(settings, sleep=False)  # nothing to warm up; `InlineEngineLoop` paces its steps
     from dynserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(settings)
