@@ -9,8 +9,9 @@ HTTP, validation, chat template, tokenization, routing, the worker channel, deto
    runs it) in front of 2 mocker workers (Ray actors); `--requests` streamed chat completions (16-token
    outputs, short distinct prompts) with 32 in flight. Reported: `req_per_s_c32`, `p50_ms_c32`,
    `p90_ms_c32` (request latency to `[DONE]`), and `cpu_ms_per_request_c32`: the CPU time each process
-   (gateway, each mocker, the client) spent per request, which, unlike wall time, other load on the
-   machine barely moves.
+   (gateway, each mocker, the embedded event plane's actor, the client) spent per request, and their
+   `total`, which, unlike wall time, other load on the machine barely moves. On 2 cores the total bounds
+   the rate: 2,000 ms / total.
 2. **c1**: 500 requests one after another through the same gateway, and 500 straight to one standalone
    mocker server (`python -m dynserve.workers.mocker --http-port`, the same mocker behind the same HTTP
    code in one process). `added_p50_ms_c1` is the difference of the two p50 latencies: what the gateway
@@ -20,6 +21,15 @@ The client keeps one connection per user, encodes every request before the clock
 streamed response by its chunk framing only (the first few responses of each phase are parsed in full
 and checked: 16 tokens, a usage chunk, `[DONE]`), so its own CPU, which shares this machine's two cores,
 stays small. The last stdout line is the JSON result; a copy goes to `benchmarks/results/`.
+
+Measured here (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
+- mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved
+  pairs: 594-670 req/s (mean 641) against 458-732 (mean 593); a mocker's CPU 0.57-0.76 ms per request
+  against 0.64-0.96; `added_p50_ms_c1` 0.10-1.27 (mean 0.70) against 0.94-1.87 (mean 1.43);
+- one run: 576 req/s, CPU ms per request gateway 1.28, mockers 0.84 + 0.71, event plane 0.32, client 0.25,
+  total 3.40, so 2,000 / 3.40 = 588 req/s is all two cores can do. 1,100 req/s needs a total under about
+  1.8 ms; the gateway alone is 1.1-1.3 ms today (0.75-0.8 ms on a quiet day), two thirds of it Python per
+  request (validation, chat template, tokenizer, routing, SSE) and the rest socket writes.
 """
 
 from __future__ import annotations
@@ -180,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import uvloop
 
     from dynserve.config import Settings
+    from dynserve.events.ray_plane import ACTOR_NAME, RAY_NAMESPACE
     from dynserve.workers.mocker import launch_mocker
 
     num_c32, num_c1 = (1000, 200) if args.quick else (2000, 500)
@@ -198,13 +209,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         port = ports.get(timeout=120)
         log(f"2 mockers, gateway and a standalone mocker ready in {time.perf_counter() - start:.1f}s")
+        plane = ray.get_actor(ACTOR_NAME, namespace=RAY_NAMESPACE)  # the mockers' KV events go through it
         pids = {"gateway": gateway.pid, "client": os.getpid(),
                 **{f"mocker{i}": ray.get(h.__ray_call__.remote(lambda _self: os.getpid()))
-                   for i, (h, _) in enumerate(launched)}}
+                   for i, (h, _) in enumerate(launched)},
+                "event_plane": ray.get(plane.__ray_call__.remote(lambda _self: os.getpid()))}
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
         c32 = uvloop.run(_load("127.0.0.1", port, _bodies(num_c32, args.seed), CONCURRENCY))
         cpu_ms_per_request = {name: round(1000 * (_cpu_s(pid) - cpu_before[name]) / (num_c32 + CONCURRENCY), 3)
                               for name, pid in pids.items()}
+        cpu_ms_per_request["total"] = round(sum(cpu_ms_per_request.values()), 3)
         log(f"c32 through the gateway: {c32['req_per_s']:.0f} req/s, p50 {c32['p50_ms']:.1f} ms; "
             f"CPU ms per request: {cpu_ms_per_request}")
         c1_rounds: dict[str, list[dict[str, Any]]] = {"gateway": [], "direct": []}

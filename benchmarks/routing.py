@@ -35,6 +35,12 @@ Measured here (2 cores, load average about 2; TTFT p50 ms (p90), cache hit, hist
     guard 2.0 / 1024 blocks, weight 4:                  kv 62 (128), 0.89, 0.97   rr 275 (562), 0.44, 0.13
     guard 2.0 / 1024 blocks, weight 8 (the defaults):   kv 62 (94),  0.91, 1.00   sglang 65 (99), 0.91, 1.00
 
+Full runs against quick ones (2026-11-22, mockers stepping on their event loop): the full run loads the
+workers enough for placement to matter: kv 77 ms (p90 116), sglang 88 (136), rr 277; cache hit 0.92, 0.94,
+0.55; `ttft_ratio_rr_over_kv` 3.59, `ttft_ratio_sglang_over_kv` 1.14. The quick run's load is too light:
+both policies keep each conversation on its worker and TTFT is the prefill itself, so kv and sglang tie
+(62.5 against 62.8 ms, ratio 1.005; quick runs since 86e91fc gave 0.97-1.005).
+
 A request in flight counts all its KV in the load term (about 100 blocks for a 1,500-token chat), while a
 follow-up turn saves only its history since the system prompt (12-60 blocks): at weight 1 the router left a
 conversation's worker whenever that worker had one request more in flight than another (history hit 0.41),
