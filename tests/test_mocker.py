@@ -172,18 +172,19 @@ def test_in_a_worker_the_mocker_steps_on_the_event_loop_at_the_profiles_pace(tok
     assert modelled_s * 0.95 <= elapsed_s <= modelled_s * 1.5 + 0.05, (modelled_s, elapsed_s)
 
 
-def test_stopping_the_inline_loop_fails_what_is_open_and_refuses_calls(tokenizer: Tokenizer) -> None:
+def test_stopping_the_inline_loop_fails_what_is_open_and_refuses_work(tokenizer: Tokenizer) -> None:
     from dynserve.protocol import GenerateRequest
     from dynserve.workers.engine_loop import InlineEngineLoop
 
     engine = MockEngine(Settings(mocker="cpu", kv_blocks=256), tokenizer, _profile(), sleep=False)
+    prompt = tokenizer.encode("Tell me a story.")
 
-    async def serve() -> _ListSink:
+    async def serve() -> tuple[_ListSink, _ListSink]:
         driver = InlineEngineLoop(lambda: engine)
         driver.start()
         driver.attach(asyncio.get_running_loop())
-        sink = _ListSink()
-        driver.submit(GenerateRequest(request_id="long", token_ids=tokenizer.encode("Tell me a story."),
+        sink, late = _ListSink(), _ListSink()
+        driver.submit(GenerateRequest(request_id="long", token_ids=prompt,
                                       params=SamplingParams(max_tokens=500, temperature=0)), sink)
         while not sink.deltas:
             await asyncio.sleep(0.01)
@@ -191,13 +192,65 @@ def test_stopping_the_inline_loop_fails_what_is_open_and_refuses_calls(tokenizer
         num_open = await asyncio.to_thread(lambda: driver.call(lambda e: e.num_unfinished_requests).result(5))
         assert num_open == 1
         await asyncio.to_thread(driver.stop)
-        await asyncio.sleep(0.2)
         assert not driver.is_alive and driver.num_open_requests == 0
-        return sink
+        driver.submit(GenerateRequest(request_id="late", token_ids=prompt, params=SamplingParams()), late)
+        with pytest.raises(RuntimeError, match="stopped"):
+            driver.call(lambda e: None).result(1)
+        return sink, late
 
-    sink = asyncio.run(serve())
+    sink, late = asyncio.run(asyncio.wait_for(serve(), 30))
     assert len(sink.errors) == 1 and sink.errors[0].retryable and sink.errors[0].request_id == "long"
     assert not any(d.finished for d in sink.deltas)
+    assert len(late.errors) == 1 and late.errors[0].retryable and not late.deltas
+
+
+def test_the_inline_loop_reads_a_remote_prefill_that_comes_during_the_last_step(tokenizer: Tokenizer) -> None:
+    """A decode worker's driver: a remotely prefilled request that arrives while the only other request
+    takes its last step still gets its KV read and its answer (no wake-up is lost when the driver goes idle);
+    a prefix-cache reset's KV event goes out at once though nothing steps."""
+    from dynserve.protocol import AllBlocksCleared, GenerateRequest, RemotePrefill
+    from dynserve.workers.engine_loop import InlineEngineLoop
+
+    settings = Settings(mocker="cpu", kv_blocks=256)
+    prefill, whole = _engine(tokenizer, kv_blocks=256), _engine(tokenizer, kv_blocks=256)
+    decode = MockEngine(settings, tokenizer, _profile(), sleep=False)
+    prefill.kv_source_id = "p"
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    prompt = tokenizer.encode("Why is the sea salty? " * 12)
+    reference = whole.generate([prompt], greedy)[0].token_ids
+    prefill.add_request(prompt, greedy, "remote", prefill_only=True)
+    while not (prefilled := prefill.step()):
+        pass
+    handle = prefilled[0].kv_handle
+    assert handle is not None
+    remote = RemotePrefill(handle=handle, first_token_id=prefilled[0].token_ids[0],
+                           num_cached_tokens=prefilled[0].num_cached_tokens)
+    reads: list[Any] = []
+    events: list[Any] = []
+
+    async def serve() -> _ListSink:
+        driver = InlineEngineLoop(lambda: decode, kv_reader=reads.append, on_kv_events=events.extend)
+        driver.start()
+        driver.attach(asyncio.get_running_loop())
+        local, sink = _ListSink(), _ListSink()
+        driver.submit(GenerateRequest(request_id="local", token_ids=tokenizer.encode("Hello there."),
+                                      params=SamplingParams(max_tokens=2, temperature=0)), local)
+        while not local.deltas:  # its prefill step delivered: the decode step, its last, is under way
+            await asyncio.sleep(0.001)
+        assert not local.done.is_set()
+        driver.submit(GenerateRequest(request_id="remote", token_ids=prompt, params=greedy, remote_prefill=remote),
+                      sink)
+        await asyncio.wait_for(sink.done.wait(), 5)
+        events.clear()
+        driver.call(lambda e: e.reset_prefix_cache()).result(0)
+        assert [type(e) for e in events] == [AllBlocksCleared]
+        driver.stop()
+        return sink
+
+    sink = asyncio.run(asyncio.wait_for(serve(), 30))
+    assert len(reads) == 1 and reads[0].request_id == "remote" and reads[0].source_worker_id == "p"
+    assert not sink.errors and [t for d in sink.deltas for t in d.token_ids] == reference
+    assert sink.deltas[0].kv_fallback is None
 
 
 def test_step_work_counts_uncached_prefill_and_decode_context(tokenizer: Tokenizer) -> None:

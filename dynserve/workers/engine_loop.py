@@ -138,11 +138,11 @@ class _Driver:
             self._call(lambda: on_kv_events(events))
 
     def _fail_open(self, message: str) -> None:
-        errors = [(o.sink, RequestError(request_id=rid, message=message, retryable=True))
+        errors = [(o.sink.fail, RequestError(request_id=rid, message=message, retryable=True))
                   for rid, o in self._open.items()]
         self._open.clear()
         if errors:
-            self._call(lambda: [sink.fail(error) for sink, error in errors])
+            self._call(lambda: _hand_to_sinks(errors))
 
     def _start_receives(self, engine: EngineCore) -> None:
         for plan in engine.drain_receives():
@@ -218,8 +218,8 @@ class _Driver:
                     finish_reason=delta.finish_reason,
                 ))
             by_sink.setdefault(id(state.sink), (state.sink, []))[1].append(delta)
-        groups = list(by_sink.values())
-        self._call(lambda: [sink.deliver(batch) for sink, batch in groups])
+        groups = [(sink.deliver, batch) for sink, batch in by_sink.values()]
+        self._call(lambda: _hand_to_sinks(groups))
 
 
 class EngineLoop(_Driver):
@@ -352,7 +352,8 @@ class EngineLoop(_Driver):
             pass
         finally:
             if errors:
-                self._call(lambda: [sink.fail(error) for sink, error in errors])
+                failures = [(sink.fail, error) for sink, error in errors]
+                self._call(lambda: _hand_to_sinks(failures))
         return True
 
     def _call(self, fn: Callable[[], object]) -> None:
@@ -380,7 +381,8 @@ class EngineLoop(_Driver):
 
 class InlineEngineLoop(_Driver):
     """Steps a non-blocking engine as a task on the asyncio loop (see the module doc). Its methods may be
-    called from any thread; off the loop they are passed to it."""
+    called from any thread; off the loop they are passed to it. Once stopped or broken it refuses work:
+    requests fail (retryable) and calls raise."""
 
     def __init__(self, build: Callable[[], EngineCore], *,
                  on_kv_events: Callable[[list[KVEvent]], None] | None = None,
@@ -405,26 +407,35 @@ class InlineEngineLoop(_Driver):
     def submit(self, request: GenerateRequest, sink: Sink) -> None:
         if self._elsewhere(self.submit, request, sink):
             return
+        if not self.is_alive:
+            sink.fail(RequestError(request_id=request.request_id, message="the engine loop has stopped",
+                                   retryable=True))
+            return
         errors: list[tuple[Sink, RequestError]] = []
-        self._add(request, sink, time.monotonic(), errors)
-        for failed, error in errors:
-            failed.fail(error)
+        try:
+            self._add(request, sink, time.monotonic(), errors)
+        except Exception as exc:  # the engine broke taking it: fail it with the rest
+            self._open.setdefault(request.request_id, _Open(sink, time.monotonic()))
+            self._break(exc)
+            return
+        _hand_to_sinks([(failed.fail, error) for failed, error in errors])
         self._poke()
 
     def abort(self, request_id: str) -> None:
-        if not self._elsewhere(self.abort, request_id) and self.engine is not None:
-            self._abort(request_id)
+        if not self._elsewhere(self.abort, request_id) and self.is_alive:
+            self._guard(self._abort, request_id)
 
     def release(self, request_id: str) -> None:
         """Free the KV a prefill-only request holds for its decode worker."""
-        if not self._elsewhere(self.release, request_id) and self.engine is not None:
-            self.engine.release(request_id)
+        if not self._elsewhere(self.release, request_id) and self.is_alive:
+            assert self.engine is not None
+            self._guard(self.engine.release, request_id)
 
     def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future[object]:
-        """Run `fn(engine)` between steps (at once, on the loop)."""
+        """Run `fn(engine)` between steps (at once when called on the loop)."""
         future: concurrent.futures.Future[object] = concurrent.futures.Future()
-        if not self._elsewhere(_run_call, _Call(fn, future), self.engine):
-            _run_call(_Call(fn, future), self.engine)
+        if not self._elsewhere(self._call_here, _Call(fn, future)):
+            self._call_here(_Call(fn, future))
         return future
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -442,16 +453,43 @@ class InlineEngineLoop(_Driver):
     # ---- on the loop ---------------------------------------------------------------------------------
 
     def _elsewhere(self, fn: Callable[..., object], *args: object) -> bool:
-        """True when called off the loop's thread: `fn(*args)` is then queued on the loop instead."""
-        if self._loop is None or threading.get_ident() == self._loop_thread:
+        """True when called off the loop's thread: `fn(*args)` is then queued on the loop instead. False on
+        the loop's thread, and once the loop is closed (nothing runs there any more: the caller goes on)."""
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._loop_thread or loop.is_closed():
             return False
-        with contextlib.suppress(RuntimeError):  # a closed loop: nothing is served any more
-            self._loop.call_soon_threadsafe(fn, *args)
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
         return True
 
     def _poke(self) -> None:
         if self._wake is not None:
             self._wake.set()
+
+    def _call_here(self, call: _Call) -> None:
+        if not self.is_alive:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(RuntimeError("the engine loop has stopped"))
+            return
+        _run_call(call, self.engine)
+        assert self.engine is not None
+        self._forward_kv_events(self.engine)  # e.g. a prefix-cache reset's event, while no request steps
+
+    def _guard(self, fn: Callable[[str], object], request_id: str) -> None:
+        try:
+            fn(request_id)
+        except Exception as exc:
+            self._break(exc)
+
+    def _break(self, exc: BaseException) -> None:
+        """The engine failed outside a step: fail everything open and stop stepping, as a failed step does."""
+        self.failure = exc
+        logger.error("engine loop failed; failing %d open requests", len(self._open), exc_info=exc)
+        if self._task is not None:
+            self._task.cancel()
+        self._fail_open(f"the worker's engine failed: {exc}")
 
     def _stop_here(self, done: threading.Event) -> None:
         self._stopped = True
@@ -465,8 +503,8 @@ class InlineEngineLoop(_Driver):
     def _call(self, fn: Callable[[], object]) -> None:
         try:
             fn()  # already on the loop
-        except Exception:  # a sink that breaks loses its own output, never the engine's other requests
-            logger.exception("delivering the engine's output failed")
+        except Exception:  # e.g. the KV event hook: logged, and the engine steps on
+            logger.exception("handing the engine's output over failed")
 
     def _begin_read(self, plan: ReceivePlan) -> None:
         assert self._loop is not None
@@ -474,28 +512,23 @@ class InlineEngineLoop(_Driver):
         read.add_done_callback(lambda done: self._end_read(plan.request_id, done))
 
     def _end_read(self, request_id: str, read: asyncio.Future[str | None]) -> None:
-        if read.cancelled() or self._stopped or self.engine is None:
+        if read.cancelled() or not self.is_alive:
             return
-        self._deliver_first(self.engine, request_id, read.result())
+        assert self.engine is not None
+        try:
+            self._deliver_first(self.engine, request_id, read.result())
+        except Exception as exc:
+            self._break(exc)
+            return
         self._poke()
-
-    async def _idle(self, wake_s: float | None) -> None:
-        """Wait for a request (or `wake_s`, when the oldest lease ends)."""
-        assert self._wake is not None
-        self._wake.clear()
-        if wake_s is None:
-            await self._wake.wait()
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), max(0.0, wake_s - time.monotonic()))
 
     async def _drive(self) -> None:
         engine = self.engine
-        assert engine is not None
+        assert engine is not None and self._wake is not None
         try:
             while True:
-                if not engine.has_unfinished_requests():
-                    await self._idle(engine.next_lease_end_s)
+                # anything that needs a pass from here on (a request, a read's end) sets the wake again
+                self._wake.clear()
                 self._start_receives(engine)
                 if engine.num_leases:
                     engine.expire_leases(time.monotonic())
@@ -506,13 +539,34 @@ class InlineEngineLoop(_Driver):
                     wait_s = engine.next_step_s - time.monotonic()
                     await asyncio.sleep(wait_s if wait_s >= _MIN_SLEEP_S else 0)
                     self._deliver(deltas)  # a request aborted meanwhile is no longer open: skipped
-                self._forward_kv_events(engine)
+                    self._forward_kv_events(engine)
+                else:
+                    self._forward_kv_events(engine)
+                    await self._idle(engine.next_lease_end_s)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the engine broke: nothing it holds can finish here
             self.failure = exc
             logger.exception("engine loop failed; failing %d open requests", len(self._open))
             self._fail_open(f"the worker's engine failed: {exc}")
+
+    async def _idle(self, wake_s: float | None) -> None:
+        """Wait to be woken (a request, a read's end), or until `wake_s` (when the oldest lease ends)."""
+        assert self._wake is not None
+        if wake_s is None:
+            await self._wake.wait()
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), max(0.0, wake_s - time.monotonic()))
+
+
+def _hand_to_sinks(calls: list[tuple[Callable[[object], object], object]]) -> None:
+    """`fn(arg)` for each pair, on the loop: a sink that raises loses its own output, not the others'."""
+    for fn, arg in calls:
+        try:
+            fn(arg)
+        except Exception:
+            logger.exception("a sink failed to take the engine's output")
 
 
 def _run_call(call: _Call, engine: EngineCore | None) -> None:
