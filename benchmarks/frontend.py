@@ -29,7 +29,10 @@ Measured here (2026-11-22, `--quick`, a slow day on this VM: steal and load from
 - one run: 576 req/s, CPU ms per request gateway 1.28, mockers 0.84 + 0.71, event plane 0.32, client 0.25,
   total 3.40, so 2,000 / 3.40 = 588 req/s is all two cores can do. 1,100 req/s needs a total under about
   1.8 ms; the gateway alone is 1.1-1.3 ms today (0.75-0.8 ms on a quiet day), two thirds of it Python per
-  request (validation, chat template, tokenizer, routing, SSE) and the rest socket writes.
+  request (validation, chat template, tokenizer, routing, SSE) and the rest socket writes;
+- a full run (af6076b): 646 req/s at c32 (p50 48 ms), CPU total 2.94 ms per request (gateway 1.20);
+  `added_p50_ms_c1` 0.43 (direct 3.97 and 4.45 ms, gateway 4.52 and 4.40 in the two interleaved rounds:
+  the rounds differ by as much as the gateway adds).
 """
 
 from __future__ import annotations
