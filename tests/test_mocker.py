@@ -253,6 +253,54 @@ def test_the_inline_loop_reads_a_remote_prefill_that_comes_during_the_last_step(
     assert sink.deltas[0].kv_fallback is None
 
 
+@pytest.mark.parametrize("driver_kind", ["inline", "thread"])
+def test_a_step_that_can_schedule_nothing_waits_for_a_release_instead_of_spinning(
+        tokenizer: Tokenizer, driver_kind: str) -> None:
+    """A prefill held under lease takes 7 of the 8 blocks; a prompt needing 4 cannot start. The driver waits
+    (one empty step, not thousands) until the release frees them, then the prompt runs."""
+    from dynserve.protocol import GenerateRequest
+    from dynserve.workers.engine_loop import EngineLoop, InlineEngineLoop
+
+    engine = MockEngine(Settings(mocker="cpu", kv_blocks=8, mocker_speedup=100.0), tokenizer, _profile(),
+                        sleep=driver_kind == "thread")
+    steps = {"n": 0}
+    real_step = engine.step
+
+    def counted_step() -> list[Any]:
+        steps["n"] += 1
+        return real_step()
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    held_prompt = list(range(1000, 1100))  # 100 tokens: 7 blocks of 16
+    waiting_prompt = list(range(2000, 2060))  # 60 tokens: 4 blocks
+
+    async def serve() -> tuple[int, _ListSink]:
+        driver: Any = (InlineEngineLoop if driver_kind == "inline" else EngineLoop)(lambda: engine)
+        driver.start()
+        driver.attach(asyncio.get_running_loop())
+        held, waiting = _ListSink(), _ListSink()
+        greedy = SamplingParams(max_tokens=3, temperature=0)
+        driver.submit(GenerateRequest(request_id="held", token_ids=held_prompt, params=greedy, prefill_only=True),
+                      held)
+        await asyncio.wait_for(held.done.wait(), 5)
+        assert held.deltas[-1].finish_reason == "prefilled" and engine.num_leases == 1
+        driver.submit(GenerateRequest(request_id="waiting", token_ids=waiting_prompt, params=greedy), waiting)
+        await asyncio.sleep(0.1)
+        steps_before = steps["n"]
+        await asyncio.sleep(0.3)
+        stalled_steps = steps["n"] - steps_before
+        assert not waiting.deltas and engine.stalled
+        driver.release("held")
+        await asyncio.wait_for(waiting.done.wait(), 5)
+        await asyncio.to_thread(driver.stop)
+        return stalled_steps, waiting
+
+    stalled_steps, waiting = asyncio.run(asyncio.wait_for(serve(), 30))
+    assert stalled_steps == 0
+    assert not waiting.errors and sum(len(d.token_ids) for d in waiting.deltas) == 3
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def test_step_work_counts_uncached_prefill_and_decode_context(tokenizer: Tokenizer) -> None:
     engine = _engine(tokenizer, max_num_batched_tokens=64)
     prompt = list(range(1000, 1100))  # 100 tokens: a 64-token chunk, then 36 tokens

@@ -125,6 +125,9 @@ class EngineCore(abc.ABC):
             self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len
         )
         self.stats = EngineStats()
+        # the last step scheduled nothing and preempted nothing: its requests wait for blocks that only a
+        # release, an abort, a lease's end or a read's end frees, so a driver waits for one of those
+        self.stalled = False
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, eos_token_id) if i is not None)
@@ -309,6 +312,7 @@ class EngineCore(abc.ABC):
     def step(self) -> list[TokenDelta]:
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
+        self.stalled = batch.is_empty and not batch.preempted
         if batch.is_empty:
             return []
         self._count_prefill(batch)

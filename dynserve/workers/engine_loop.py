@@ -21,7 +21,10 @@ Two drivers share the bookkeeping (`_Driver`: open requests, per-request timings
 KV reads for requests prefilled elsewhere (`EngineCore.drain_receives`) run on a small thread pool through
 the worker's `kv_reader`, so the engine keeps stepping other requests while pages arrive; each read's end
 comes back to the driver (a command, or a callback on the loop). While prefills are held under lease, an
-idle driver wakes when the oldest ends.
+idle driver wakes when the oldest ends. A step that can schedule nothing (`EngineCore.stalled`: waiting
+prompts find no free blocks while prefills hold theirs under lease) makes the driver wait the same way,
+for a command (a release, an abort, a new request, a read's end) or the next lease's end, instead of
+stepping again in a spin.
 
 Invariants: the engine is single-threaded and only its driver touches it while a worker runs; every
 submitted request ends with exactly one finished delta or one error at its sink, unless it was aborted (an
@@ -296,12 +299,16 @@ class EngineLoop(_Driver):
         finally:
             self._built.set()
         try:
-            while self._apply_commands(block=not engine.has_unfinished_requests(), wake_s=engine.next_lease_end_s):
+            stalled = False  # the last step could schedule nothing: wait for a command or a lease's end
+            while self._apply_commands(block=stalled or not engine.has_unfinished_requests(),
+                                       wake_s=engine.next_lease_end_s):
                 self._start_receives(engine)
                 if engine.num_leases:
                     engine.expire_leases(time.monotonic())
+                stalled = False
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
+                    stalled = engine.stalled
                 self._forward_kv_events(engine)
             self._fail_open("the worker is stopping")
         except BaseException as exc:  # the engine broke: nothing it holds can finish here
@@ -424,12 +431,14 @@ class InlineEngineLoop(_Driver):
     def abort(self, request_id: str) -> None:
         if not self._elsewhere(self.abort, request_id) and self.is_alive:
             self._guard(self._abort, request_id)
+            self._poke()  # its blocks may be what a stalled step waits for
 
     def release(self, request_id: str) -> None:
         """Free the KV a prefill-only request holds for its decode worker."""
         if not self._elsewhere(self.release, request_id) and self.is_alive:
             assert self.engine is not None
             self._guard(self.engine.release, request_id)
+            self._poke()
 
     def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future[object]:
         """Run `fn(engine)` between steps (at once when called on the loop)."""
@@ -534,6 +543,10 @@ class InlineEngineLoop(_Driver):
                     engine.expire_leases(time.monotonic())
                 if engine.has_unfinished_requests():
                     deltas = engine.step()
+                    if engine.stalled:  # nothing could run: wait for blocks to be freed, not in a spin
+                        self._forward_kv_events(engine)
+                        await self._idle(engine.next_lease_end_s)
+                        continue
                     # the step's tokens exist at its modelled end; the wait (or, under the timer's
                     # resolution, a bare yield) lets requests that come meanwhile join the next step
                     wait_s = engine.next_step_s - time.monotonic()
