@@ -34,6 +34,7 @@ open request gets a retryable error and the driver stops.
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import contextlib
@@ -45,7 +46,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from dynserve.engine.core import EngineCore, ReceivePlan
 from dynserve.errors import InvalidRequestError, KVTransferTimeoutError
@@ -97,10 +98,11 @@ class _Call:
 
 _Command = tuple[GenerateRequest, Sink, float] | str | _Stop | _Call | _Received | _Release
 KVReader = Callable[[ReceivePlan], None]
+_SinkCall = tuple[Callable[[Any], None], Any]  # a sink's `deliver` or `fail` and what to give it
 _MAX_CONCURRENT_READS = 4
 
 
-class _Driver:
+class _Driver(abc.ABC):
     """What both drivers keep: the open requests and their sinks, recent timings, the KV read pool. Calls
     run on the driver's side (the engine thread, or the loop for the inline driver) unless marked."""
 
@@ -124,13 +126,19 @@ class _Driver:
         """Timings of up to the last 4096 finished requests, oldest first."""
         return list(self._timings)
 
+    @abc.abstractmethod
     def _call(self, fn: Callable[[], object]) -> None:
         """Run `fn` on the asyncio loop, after everything handed over before it."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _begin_read(self, plan: ReceivePlan) -> None:
         """Start reading `plan` on the pool; its end comes back through `_deliver_first`."""
-        raise NotImplementedError
+
+    def _fail_engine(self, exc: BaseException) -> None:
+        """The engine broke: nothing it holds can finish here, so every open request fails (retryable)."""
+        self.failure = exc
+        logger.error("engine loop failed; failing %d open requests", len(self._open), exc_info=exc)
+        self._fail_open(f"the worker's engine failed: {exc}")
 
     def _forward_kv_events(self, engine: EngineCore) -> None:
         if self._on_kv_events is None:
@@ -190,14 +198,15 @@ class _Driver:
         else:
             self.engine.release(request_id)  # a prefill held for a decode worker that is gone
 
-    def _add(self, request: GenerateRequest, sink: Sink, arrival_s: float,
-             errors: list[tuple[Sink, RequestError]]) -> None:
+    def _add(self, request: GenerateRequest, sink: Sink, arrival_s: float, errors: list[_SinkCall]) -> None:
+        """Queue `request` on the engine; a request the engine refuses adds its sink's `fail` to `errors`."""
         assert self.engine is not None
         try:
             self.engine.add_request(request.token_ids, request.params, request.request_id,
                                     prefill_only=request.prefill_only, remote=request.remote_prefill)
         except InvalidRequestError as exc:
-            errors.append((sink, RequestError(request_id=request.request_id, message=str(exc), param=exc.param)))
+            errors.append((sink.fail, RequestError(request_id=request.request_id, message=str(exc),
+                                                   param=exc.param)))
             return
         self._open[request.request_id] = _Open(sink, arrival_s)
 
@@ -311,10 +320,8 @@ class EngineLoop(_Driver):
                     stalled = engine.stalled
                 self._forward_kv_events(engine)
             self._fail_open("the worker is stopping")
-        except BaseException as exc:  # the engine broke: nothing it holds can finish here
-            self.failure = exc
-            logger.exception("engine loop failed; failing %d open requests", len(self._open))
-            self._fail_open(f"the worker's engine failed: {exc}")
+        except BaseException as exc:
+            self._fail_engine(exc)
 
     def _fail_open(self, message: str) -> None:
         while True:  # calls queued behind the stop get an answer too
@@ -332,7 +339,7 @@ class EngineLoop(_Driver):
     def _apply_commands(self, block: bool, wake_s: float | None = None) -> bool:
         """Apply queued commands (waiting for one when `block`, until `wake_s` at most); False once asked to
         stop."""
-        errors: list[tuple[Sink, RequestError]] = []
+        errors: list[_SinkCall] = []
         try:
             if block:
                 timeout_s = None if wake_s is None else max(0.0, wake_s - time.monotonic())
@@ -359,8 +366,7 @@ class EngineLoop(_Driver):
             pass
         finally:
             if errors:
-                failures = [(sink.fail, error) for sink, error in errors]
-                self._call(lambda: _hand_to_sinks(failures))
+                self._call(lambda: _hand_to_sinks(errors))
         return True
 
     def _call(self, fn: Callable[[], object]) -> None:
@@ -418,14 +424,14 @@ class InlineEngineLoop(_Driver):
             sink.fail(RequestError(request_id=request.request_id, message="the engine loop has stopped",
                                    retryable=True))
             return
-        errors: list[tuple[Sink, RequestError]] = []
+        errors: list[_SinkCall] = []
         try:
             self._add(request, sink, time.monotonic(), errors)
         except Exception as exc:  # the engine broke taking it: fail it with the rest
             self._open.setdefault(request.request_id, _Open(sink, time.monotonic()))
             self._break(exc)
             return
-        _hand_to_sinks([(failed.fail, error) for failed, error in errors])
+        _hand_to_sinks(errors)
         self._poke()
 
     def abort(self, request_id: str) -> None:
@@ -493,12 +499,10 @@ class InlineEngineLoop(_Driver):
             self._break(exc)
 
     def _break(self, exc: BaseException) -> None:
-        """The engine failed outside a step: fail everything open and stop stepping, as a failed step does."""
-        self.failure = exc
-        logger.error("engine loop failed; failing %d open requests", len(self._open), exc_info=exc)
+        """The engine failed outside a step: stop stepping and fail everything open, as a failed step does."""
         if self._task is not None:
             self._task.cancel()
-        self._fail_open(f"the worker's engine failed: {exc}")
+        self._fail_engine(exc)
 
     def _stop_here(self, done: threading.Event) -> None:
         self._stopped = True
@@ -541,27 +545,23 @@ class InlineEngineLoop(_Driver):
                 self._start_receives(engine)
                 if engine.num_leases:
                     engine.expire_leases(time.monotonic())
+                stepped = False
                 if engine.has_unfinished_requests():
                     deltas = engine.step()
-                    if engine.stalled:  # nothing could run: wait for blocks to be freed, not in a spin
-                        self._forward_kv_events(engine)
-                        await self._idle(engine.next_lease_end_s)
-                        continue
-                    # the step's tokens exist at its modelled end; the wait (or, under the timer's
-                    # resolution, a bare yield) lets requests that come meanwhile join the next step
-                    wait_s = engine.next_step_s - time.monotonic()
-                    await asyncio.sleep(wait_s if wait_s >= _MIN_SLEEP_S else 0)
-                    self._deliver(deltas)  # a request aborted meanwhile is no longer open: skipped
-                    self._forward_kv_events(engine)
-                else:
-                    self._forward_kv_events(engine)
+                    stepped = not engine.stalled  # a stalled step waits for blocks to be freed, not in a spin
+                    if stepped:
+                        # the step's tokens exist at its modelled end; the wait (or, under the timer's
+                        # resolution, a bare yield) lets requests that come meanwhile join the next step
+                        wait_s = engine.next_step_s - time.monotonic()
+                        await asyncio.sleep(wait_s if wait_s >= _MIN_SLEEP_S else 0)
+                        self._deliver(deltas)  # a request aborted meanwhile is no longer open: skipped
+                self._forward_kv_events(engine)
+                if not stepped:
                     await self._idle(engine.next_lease_end_s)
         except asyncio.CancelledError:
             raise
-        except BaseException as exc:  # the engine broke: nothing it holds can finish here
-            self.failure = exc
-            logger.exception("engine loop failed; failing %d open requests", len(self._open))
-            self._fail_open(f"the worker's engine failed: {exc}")
+        except BaseException as exc:
+            self._fail_engine(exc)
 
     async def _idle(self, wake_s: float | None) -> None:
         """Wait to be woken (a request, a read's end), or until `wake_s` (when the oldest lease ends)."""
@@ -573,7 +573,7 @@ class InlineEngineLoop(_Driver):
             await asyncio.wait_for(self._wake.wait(), max(0.0, wake_s - time.monotonic()))
 
 
-def _hand_to_sinks(calls: list[tuple[Callable[[object], object], object]]) -> None:
+def _hand_to_sinks(calls: list[_SinkCall]) -> None:
     """`fn(arg)` for each pair, on the loop: a sink that raises loses its own output, not the others'."""
     for fn, arg in calls:
         try:
