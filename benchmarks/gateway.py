@@ -32,10 +32,16 @@ What moves `ttft_p50_added_ms` here (2026-11-22, per-request timestamps in the g
 - Half the requests of a full run, and all of a quick one, are sent 16 at once. The gateway takes them one
   after another, about 0.25 ms each (validation, preprocessing, routing, the channel write), so the
   16th leaves it about 4 ms after the first.
-- The worker's I/O thread takes the first request at once, then often nothing for 3 to 6 ms, then the rest
-  together: the engine thread has started prefilling the first. Niceness 19 or SCHED_IDLE for the engine
-  threads did not change that. On this VM a thread that sleeps for 0.2 ms wakes up to 4 ms late even on an
-  idle machine (p99 0.64 ms), and the path has several such wake-ups (client, gateway, worker I/O).
+- Timestamps of the gateway's channel writes (one quick run, 2026-11-22, second session) put the wait in the
+  gateway, not the worker: the worker read each request within 0.05-0.3 ms of the gateway writing it, while
+  the gateway's first write of a burst came 1.0 and 3.9 ms after the client sent it (its wake-up, and the
+  burst's requests parsed before the first one's task runs), then one every 0.1-0.3 ms. An earlier
+  reading of the worker's arrival times alone had blamed its I/O thread. Tried that session, with no gain
+  beyond the noise: engine niceness 19 against 5 (3 pairs; niceness 0 was worse, 12 ms), 0.1 ms EEVDF
+  slices for the gateway's and the worker's loop threads, first tokens ahead of decode tokens in a step's
+  output, the engine thread waiting up to 2 ms for the loop to take each step's output, and 1 torch thread
+  (way in still 6 ms). On this VM a thread that sleeps for 0.2 ms wakes up to 4 ms late even on an idle
+  machine (p99 0.64 ms), and the path has several such wake-ups (client, gateway, worker I/O).
 - The way out (first token to client) is 1.3 to 2 ms, up to 5 ms when several first tokens leave one step.
 - Full runs at one commit (7e55a70..37c627a) gave 5.4, 6.4 and 7.2 ms, quick runs 4.7 to 10.5 ms.
 """
