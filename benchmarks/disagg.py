@@ -103,7 +103,11 @@ can take k <= 2.24 prompts a second of overflow: at most about 2 x 3.2 + 2 x 2.2
 So at these targets no policy reaches a `goodput_ratio` of 1.3 with two prefill and two decode workers; the
 bound passes 1.3 for ITL targets under about 35 ms, where the measured ratios above climb (25 ms: 1.5x,
 20 ms: 2.1x, quick runs up to 4.7x). NVIDIA's +30% is a gain in throughput per GPU at a given
-interactivity, not at every target.
+interactivity, not at every target. Measured around the two bounds (37b4a7c, `--rates 10 11 12`, full
+windows): disagg 10.0, 7.15, 2.3 (every request met both targets at 10/s); agg 6.4, 3.25, 2.15. At 10/s
+agg runs at its bound, so its goodput there swings from run to run (6.4 here, 9.45 and 9.9 in the full
+runs above) and with it the ratio (1.56 at 10/s here; a full run, which also plays 8/s, where agg meets
+its targets, would give at most 10.0 / 8.0 = 1.25 then).
 """
 
 from __future__ import annotations
