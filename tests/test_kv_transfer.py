@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import random
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import hypothesis.strategies as st
+import msgspec
 import pytest
 import torch
 from hypothesis import given
@@ -34,6 +36,7 @@ from dynserve.kv_transfer.descriptors import (
     KVLayout,
     NixlAgentMetadata,
     TcpAgentMetadata,
+    decode_metadata,
     encode_metadata,
 )
 from dynserve.kv_transfer.nixl_backend import apply_ucx_settings, nixl_available
@@ -259,6 +262,37 @@ def test_a_dead_peer_raises_the_failure_error_well_before_the_timeout(setup: Set
     assert (caught.value.backend, caught.value.peer, caught.value.num_blocks) == (backend, doomed.name, 2)
 
 
+def test_the_tcp_page_server_sends_nothing_without_the_agents_token(setup: Setup) -> None:
+    if setup.backend != "tcp":
+        pytest.skip("UCX has no token of its own; the TCP backend's server checks one")
+    from dynserve.kv_transfer.tcp_backend import _Hello, _ReadRequest, _send_frame
+
+    live = setup.live
+    meta = decode_metadata(live.metadata)
+    assert isinstance(meta, TcpAgentMetadata) and len(meta.token) == 32
+    whole_cache = [(0, BLOCK_BYTES * SHAPE[0])]
+    for hello in ([], [_Hello("0" * 32)], [_Hello(meta.token[:-1])]):  # none, wrong, a prefix of the right one
+        with socket.create_connection((meta.host, meta.port), timeout=10) as sock:
+            for frame in (*hello, _ReadRequest(whole_cache)):
+                _send_frame(sock, frame)
+            try:  # closed without a byte of the cache (reset: our request was still unread)
+                assert sock.recv(1) == b"", hello
+            except ConnectionResetError:
+                pass
+    intruder = make_connector(transfer_settings("tcp"), "tcp-intruder")
+    try:
+        intruder.register_kv_cache(torch.zeros(SHAPE, dtype=DTYPE))
+        intruder.add_peer(encode_metadata(msgspec.structs.replace(meta, token="f" * 32)))
+        start = time.monotonic()
+        with pytest.raises(KVTransferError) as caught:
+            intruder.read_blocks(live.name, [0], [0], timeout_s=5.0)
+        assert time.monotonic() - start < 2.0 and not isinstance(caught.value, KVTransferTimeoutError)
+    finally:
+        intruder.close()
+    setup.reader.read_blocks(live.name, [5], [5], timeout_s=5.0)  # a reader with the token still reads
+    assert torch.equal(as_bytes(setup.cache[[5]]), as_bytes(random_cache(live.seed)[[5]]))
+
+
 def test_an_unknown_peer_and_bad_arguments_are_refused(setup: Setup) -> None:
     backend, reader, live = setup.backend, setup.reader, setup.live
     with pytest.raises(KVTransferError, match="unknown peer") as caught:
@@ -302,7 +336,8 @@ def test_failed_setup_leaves_nothing_behind(setup: Setup) -> None:
 
 def _tcp_metadata(block_size_bytes: int) -> bytes:
     layout = KVLayout(num_blocks=4, block_size_bytes=block_size_bytes, device="cpu")
-    return encode_metadata(TcpAgentMetadata(agent_name="odd", layout=layout, host="127.0.0.1", port=9))
+    return encode_metadata(TcpAgentMetadata(agent_name="odd", layout=layout, host="127.0.0.1", port=9,
+                                            token="0" * 32))
 
 
 def _nixl_garbage(block_size_bytes: int) -> bytes:

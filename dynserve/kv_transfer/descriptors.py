@@ -74,12 +74,15 @@ class NixlAgentMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="nixl"):
 
 
 class TcpAgentMetadata(msgspec.Struct, frozen=True, kw_only=True, tag="tcp"):
-    """What a TCP agent publishes: its name, its cache's layout, and where it serves the cache's bytes."""
+    """What a TCP agent publishes: its name, its cache's layout, where it serves the cache's bytes, and the
+    token a reader must present on connecting (the agent's own random secret: whoever can read the
+    registry may read the pages, whoever can merely reach the port may not)."""
 
     agent_name: str
     layout: KVLayout
     host: str
     port: int
+    token: str
 
 
 AgentMetadata = NixlAgentMetadata | TcpAgentMetadata

@@ -2,12 +2,14 @@
 and a reader asks for regions and receives them straight into its own cache.
 
 It owns a listening socket with one server thread per accepted connection, a client connection per peer,
-and an inbox of received notifications. Frames are a 4-byte big-endian length and a msgpack body; a read
+and an inbox of received notifications. Frames are a 4-byte big-endian length and a msgpack body. A
+connection opens with a `_Hello` carrying the token the server's agent published in its metadata; a read
 is one `_ReadRequest` (the coalesced runs as byte regions), answered by a `_ReadReply` header and then the
 regions' raw bytes in order, sent from and received into the tensors' memory without extra Python copies
 (a CUDA cache is staged through host memory).
 
-Invariants: a server only sends bytes inside its registered cache (requests outside it get an error reply);
+Invariants: a server sends nothing on a connection that has not presented its token (within
+`_HELLO_TIMEOUT_S`), and only bytes inside its registered cache (requests outside it get an error reply);
 a client connection that saw any error or timeout is closed and dropped, so a later read never consumes a
 stale reply; nothing writes to the local cache after `_read` returns.
 """
@@ -15,7 +17,9 @@ stale reply; nothing writes to the local cache after `_read` returns.
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
+import secrets
 import socket
 import struct
 import threading
@@ -39,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
 _MAX_FRAME_BYTES = 16 * 2**20  # a control frame; the bytes of a read follow their header unframed
+_HELLO_TIMEOUT_S = 5.0  # a connection that has not presented its token by then is dropped
+
+
+class _Hello(msgspec.Struct, tag="hello", array_like=True):
+    token: str
 
 
 class _ReadRequest(msgspec.Struct, tag="read", array_like=True):
@@ -55,6 +64,7 @@ class _ReadReply(msgspec.Struct, array_like=True):
     error: str | None = None
 
 
+_HELLO = msgspec.msgpack.Decoder(_Hello)
 _REQUEST = msgspec.msgpack.Decoder(_ReadRequest | _NotifyRequest)
 _REPLY = msgspec.msgpack.Decoder(_ReadReply)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -94,9 +104,11 @@ def _host_view(region: torch.Tensor) -> memoryview:
 class _PageServer:
     """Serves one cache's bytes to readers and collects the notifications they send."""
 
-    def __init__(self, kv_bytes: torch.Tensor, host: str, port: int, inbox: collections.deque[Notification]):
+    def __init__(self, kv_bytes: torch.Tensor, host: str, port: int, inbox: collections.deque[Notification],
+                 token: str):
         self._kv_bytes = kv_bytes
         self._inbox = inbox
+        self._token = token.encode()
         self._listener = socket.create_server((host, port))
         self.host, self.port = self._listener.getsockname()[:2]
         self._connections: set[socket.socket] = set()
@@ -127,6 +139,11 @@ class _PageServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            conn.settimeout(_HELLO_TIMEOUT_S)
+            if not hmac.compare_digest(_HELLO.decode(_recv_frame(conn)).token.encode(), self._token):
+                logger.warning("a KV page reader from %s presented a wrong token; dropped", _peer_of(conn))
+                return
+            conn.settimeout(None)
             while True:
                 request = _REQUEST.decode(_recv_frame(conn))
                 if isinstance(request, _NotifyRequest):
@@ -134,7 +151,7 @@ class _PageServer:
                 else:
                     self._send_regions(conn, request.regions)
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-            pass  # the reader left or spoke nonsense: drop the connection
+            pass  # the reader left, timed out before its token or spoke nonsense: drop the connection
         finally:
             with self._guard:
                 self._connections.discard(conn)
@@ -168,6 +185,14 @@ class _PageServer:
                 logger.warning("a KV page server thread did not stop")
 
 
+def _peer_of(conn: socket.socket) -> str:
+    try:
+        host, port = conn.getpeername()[:2]
+    except OSError:
+        return "a closed connection"
+    return f"{host}:{port}"
+
+
 class TcpConnector(KVConnector):
     backend = "tcp"
     metadata_type = TcpAgentMetadata
@@ -179,12 +204,13 @@ class TcpConnector(KVConnector):
         self._inbox: collections.deque[Notification] = collections.deque()
         self._peer_metadata: dict[str, TcpAgentMetadata] = {}
         self._connections: dict[str, socket.socket] = {}
+        self._token = secrets.token_hex(16)  # readers must present it: it goes out with the metadata only
 
     def _register(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
         kv_bytes = kv_cache.view(-1).view(torch.uint8)
         try:
             self._server = _PageServer(kv_bytes, self.settings.transfer_host, self.settings.transfer_port,
-                                       self._inbox)
+                                       self._inbox, self._token)
         except OSError as exc:
             raise KVTransferError(f"cannot serve KV pages on {self.settings.transfer_host}:"
                                   f"{self.settings.transfer_port}: {exc}", backend=self.backend) from exc
@@ -193,7 +219,7 @@ class TcpConnector(KVConnector):
     def _metadata(self, layout: KVLayout) -> TcpAgentMetadata:
         assert self._server is not None
         return TcpAgentMetadata(agent_name=self.agent_name, layout=layout, host=self._server.host,
-                                port=self._server.port)
+                                port=self._server.port, token=self._token)
 
     def _add_peer(self, peer: TcpAgentMetadata) -> None:  # type: ignore[override]
         self._peer_metadata[peer.agent_name] = peer  # connects lazily, on the first read or notification
@@ -215,6 +241,7 @@ class TcpConnector(KVConnector):
             conn = socket.create_connection((meta.host, meta.port), timeout=timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._connections[peer] = conn
+            _send_frame(conn, _Hello(meta.token))
         conn.settimeout(max(deadline_s - time.monotonic(), 1e-3))
         return conn
 
