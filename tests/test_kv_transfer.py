@@ -279,6 +279,11 @@ def test_the_tcp_page_server_sends_nothing_without_the_agents_token(setup: Setup
                 assert sock.recv(1) == b"", hello
             except ConnectionResetError:
                 pass
+    with socket.create_connection((meta.host, meta.port), timeout=10) as sock:  # announces a 16 MiB "token"
+        sock.sendall((2**24).to_bytes(4, "big"))
+        start = time.monotonic()
+        assert sock.recv(1) == b""
+        assert time.monotonic() - start < 2.0  # dropped at once, not after waiting for the bytes
     intruder = make_connector(transfer_settings("tcp"), "tcp-intruder")
     try:
         intruder.register_kv_cache(torch.zeros(SHAPE, dtype=DTYPE))

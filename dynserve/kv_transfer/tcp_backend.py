@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
 _MAX_FRAME_BYTES = 16 * 2**20  # a control frame; the bytes of a read follow their header unframed
 _HELLO_TIMEOUT_S = 5.0  # a connection that has not presented its token by then is dropped
+_MAX_HELLO_BYTES = 256
 
 
 class _Hello(msgspec.Struct, tag="hello", array_like=True):
@@ -85,11 +86,11 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         received += count
 
 
-def _recv_frame(sock: socket.socket) -> bytes:
+def _recv_frame(sock: socket.socket, max_bytes: int = _MAX_FRAME_BYTES) -> bytes:
     header = bytearray(_HEADER.size)
     _recv_exact(sock, memoryview(header))
     (size,) = _HEADER.unpack(header)
-    if size > _MAX_FRAME_BYTES:
+    if size > max_bytes:
         raise ConnectionError(f"a {size}-byte frame is over the limit")
     body = bytearray(size)
     _recv_exact(sock, memoryview(body))
@@ -140,7 +141,8 @@ class _PageServer:
     def _serve(self, conn: socket.socket) -> None:
         try:
             conn.settimeout(_HELLO_TIMEOUT_S)
-            if not hmac.compare_digest(_HELLO.decode(_recv_frame(conn)).token.encode(), self._token):
+            hello = _HELLO.decode(_recv_frame(conn, max_bytes=_MAX_HELLO_BYTES))  # small before it is trusted
+            if not hmac.compare_digest(hello.token.encode(), self._token):
                 logger.warning("a KV page reader from %s presented a wrong token; dropped", _peer_of(conn))
                 return
             conn.settimeout(None)
