@@ -271,7 +271,8 @@ def test_the_tcp_page_server_sends_nothing_without_the_agents_token(setup: Setup
     meta = decode_metadata(live.metadata)
     assert isinstance(meta, TcpAgentMetadata) and len(meta.token) == 32
     whole_cache = [(0, BLOCK_BYTES * SHAPE[0])]
-    for hello in ([], [_Hello("0" * 32)], [_Hello(meta.token[:-1])]):  # none, wrong, a prefix of the right one
+    # no token, a wrong one, a prefix of the right one
+    for hello in ([], [_Hello("0" * 32)], [_Hello(meta.token[:-1])]):
         with socket.create_connection((meta.host, meta.port), timeout=10) as sock:
             for frame in (*hello, _ReadRequest(whole_cache)):
                 _send_frame(sock, frame)

@@ -238,8 +238,8 @@ def test_the_inline_loop_reads_a_remote_prefill_that_comes_during_the_last_step(
         while not local.deltas:  # its prefill step delivered: the decode step, its last, is under way
             await asyncio.sleep(0.001)
         assert not local.done.is_set()
-        driver.submit(GenerateRequest(request_id="remote", token_ids=prompt, params=greedy, remote_prefill=remote),
-                      sink)
+        driver.submit(GenerateRequest(request_id="remote", token_ids=prompt, params=greedy,
+                                      remote_prefill=remote), sink)
         await asyncio.wait_for(sink.done.wait(), 5)
         events.clear()
         driver.call(lambda e: e.reset_prefix_cache()).result(0)
@@ -280,8 +280,8 @@ def test_a_step_that_can_schedule_nothing_waits_for_a_release_instead_of_spinnin
         driver.attach(asyncio.get_running_loop())
         held, waiting = _ListSink(), _ListSink()
         greedy = SamplingParams(max_tokens=3, temperature=0)
-        driver.submit(GenerateRequest(request_id="held", token_ids=held_prompt, params=greedy, prefill_only=True),
-                      held)
+        driver.submit(GenerateRequest(request_id="held", token_ids=held_prompt, params=greedy,
+                                      prefill_only=True), held)
         await asyncio.wait_for(held.done.wait(), 5)
         assert held.deltas[-1].finish_reason == "prefilled" and engine.num_leases == 1
         driver.submit(GenerateRequest(request_id="waiting", token_ids=waiting_prompt, params=greedy), waiting)

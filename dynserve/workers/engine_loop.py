@@ -57,6 +57,7 @@ __all__ = ["EngineLoop", "InlineEngineLoop", "Sink"]
 logger = logging.getLogger(__name__)
 
 NUM_TIMINGS_KEPT = 4096
+_STOPPED = "the engine loop has stopped"  # the error of a request or call a stopped driver refuses
 _MIN_SLEEP_S = 0.001  # the asyncio loop's timers have millisecond resolution: shorter waits are not slept
 
 
@@ -330,7 +331,7 @@ class EngineLoop(_Driver):
             except queue.Empty:
                 break
             if isinstance(command, _Call):
-                command.future.set_exception(RuntimeError("the engine loop has stopped"))
+                command.future.set_exception(RuntimeError(_STOPPED))
         super()._fail_open(message)
 
     def _begin_read(self, plan: ReceivePlan) -> None:
@@ -421,14 +422,15 @@ class InlineEngineLoop(_Driver):
         if self._elsewhere(self.submit, request, sink):
             return
         if not self.is_alive:
-            sink.fail(RequestError(request_id=request.request_id, message="the engine loop has stopped",
+            sink.fail(RequestError(request_id=request.request_id, message=_STOPPED,
                                    retryable=True))
             return
         errors: list[_SinkCall] = []
+        arrival_s = time.monotonic()
         try:
-            self._add(request, sink, time.monotonic(), errors)
+            self._add(request, sink, arrival_s, errors)
         except Exception as exc:  # the engine broke taking it: fail it with the rest
-            self._open.setdefault(request.request_id, _Open(sink, time.monotonic()))
+            self._open.setdefault(request.request_id, _Open(sink, arrival_s))
             self._break(exc)
             return
         _hand_to_sinks(errors)
@@ -486,7 +488,7 @@ class InlineEngineLoop(_Driver):
     def _call_here(self, call: _Call) -> None:
         if not self.is_alive:
             if call.future.set_running_or_notify_cancel():
-                call.future.set_exception(RuntimeError("the engine loop has stopped"))
+                call.future.set_exception(RuntimeError(_STOPPED))
             return
         _run_call(call, self.engine)
         assert self.engine is not None

@@ -61,7 +61,8 @@ __all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_worker", "reserved
 logger = logging.getLogger(__name__)
 
 Role = Literal["both", "prefill", "decode"]
-MOCKER_NUM_CPUS = 0.01  # a mocker waits through its steps on its event loop: 64 of them fit in a 2-CPU Ray node
+# a mocker waits through its steps on its event loop: 64 of them fit in a 2-CPU Ray node
+MOCKER_NUM_CPUS = 0.01
 _CLIENT_FRAMES = msgspec.msgpack.Decoder(ClientFrame)
 
 
