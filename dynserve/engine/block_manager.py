@@ -94,7 +94,7 @@ class BlockManager:
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_tokens` tokens; False (nothing changed) if blocks run out."""
-        num_new = self.blocks_needed(num_tokens) - len(seq.block_table)
+        num_new = -(-num_tokens // self.block_size) - len(seq.block_table)
         if num_new <= 0:
             return True
         if num_new > self.num_free_blocks:
@@ -139,6 +139,8 @@ class BlockManager:
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Offer `seq`'s full, computed blocks to the prefix cache (call after each step)."""
+        if seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks:
+            return  # no block filled since the last call (most decode steps): hashes can wait too
         if self.enable_prefix_caching:
             seq.update_block_hashes(self.block_size, self.hash_salt)
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))

@@ -340,16 +340,20 @@ class EngineCore(abc.ABC):
               kv_fallback: str | None = None) -> TokenDelta:
         """The delta for `token_id`, just appended to the request's sequence; finishes or parks it."""
         seq = request.seq
-        text = "" if token_id in request.stop_token_ids else request.output.push(token_id)
+        output = request.output
+        stop_token = token_id in request.stop_token_ids
+        text = "" if stop_token else output.push(token_id)
+        num_tokens = len(seq.token_ids)
+        num_output_tokens = num_tokens - len(seq.prompt_token_ids)
         reason = None
-        if token_id in request.stop_token_ids or request.output.stopped:
+        if stop_token or output.stopped:
             reason = "stop"
-        elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif num_output_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None and request.prefill_only:
             return self._park(request, token_id, logprob, text)
         if reason is not None:
-            text += request.output.finish()
+            text += output.finish()
             self.scheduler.finish(seq, reason)
             del self._requests[seq.request_id]
         return TokenDelta(
@@ -359,9 +363,9 @@ class EngineCore(abc.ABC):
             finished=reason is not None,
             finish_reason=reason,
             logprobs=None if logprob is None else [logprob],
-            num_prompt_tokens=seq.num_prompt_tokens,
+            num_prompt_tokens=num_tokens - num_output_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=num_output_tokens,
             kv_fallback=kv_fallback,
         )
 
@@ -410,4 +414,6 @@ class EngineCore(abc.ABC):
 def is_decode(seq: Sequence, num_new_tokens: int) -> bool:
     """True when a scheduled sequence computes one token after its whole prompt and earlier outputs (a decode,
     not a prefill chunk or a recompute after preemption)."""
-    return num_new_tokens == 1 and seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1
+    num_tokens = len(seq.token_ids)  # not the properties: this runs for every sequence of every step
+    return (num_new_tokens == 1 and seq.num_computed_tokens == num_tokens - 1
+            and num_tokens > len(seq.prompt_token_ids))

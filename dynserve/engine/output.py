@@ -21,7 +21,11 @@ class OutputText:
 
     def push(self, token_id: int) -> str:
         """Add a token; return the text that is now safe to emit. Sets `stopped` on a stop string."""
-        self._text += self._detokenizer.push(token_id)
+        piece = self._detokenizer.push(token_id)
+        self._text += piece
+        if not self._stop:  # nothing is ever held back: the piece is the delta
+            self._num_emitted += len(piece)
+            return piece
         return self._take(final=False)
 
     def finish(self) -> str:

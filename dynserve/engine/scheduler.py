@@ -94,10 +94,10 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
-        pending, self.running = list(self.running), []
+        pending, self.running = deque(self.running), []
         while pending:
-            seq = pending.pop(0)
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq = pending.popleft()
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 self.running.append(seq)
                 continue

@@ -136,6 +136,17 @@ def _token_bytes_table(raw: tokenizers.Tokenizer, vocab_size: int) -> tuple[byte
     return tuple(table)
 
 
+def _whole_texts(token_bytes: tuple[bytes, ...]) -> tuple[str | None, ...]:
+    """Each token's text where its bytes are whole UTF-8 characters on their own (most tokens), else None."""
+    texts: list[str | None] = []
+    for raw in token_bytes:
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            texts.append(None)
+    return tuple(texts)
+
+
 # --- chat templates -----------------------------------------------------------------------------------
 
 
@@ -215,6 +226,7 @@ class Tokenizer:
         self.add_bos_token = special.add_bos_token
         self.chat_template = chat_template
         self._token_bytes = _token_bytes_table(raw, self.vocab_size)
+        self._token_texts = _whole_texts(self._token_bytes)
         self._special_ids = frozenset(
             token_id for token_id, added in raw.get_added_tokens_decoder().items() if added.special
         )
@@ -339,7 +351,7 @@ class Tokenizer:
     def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         """A fresh streaming decoder for one output sequence."""
         skipped_ids = self._special_ids if skip_special_tokens else frozenset()
-        return IncrementalDetokenizer(self._token_bytes, skipped_ids)
+        return IncrementalDetokenizer(self._token_bytes, skipped_ids, self._token_texts)
 
     # chat
 
@@ -427,8 +439,13 @@ class IncrementalDetokenizer:
     `flush()` equals `Tokenizer.decode` of the same ids.
     """
 
-    def __init__(self, token_bytes: tuple[bytes, ...], skipped_ids: frozenset[int]) -> None:
+    def __init__(self, token_bytes: tuple[bytes, ...], skipped_ids: frozenset[int],
+                 token_texts: tuple[str | None, ...] | None = None) -> None:
+        """`token_texts` (`Tokenizer` passes its table): each token's text where its bytes are whole
+        characters, else None; such a token, pushed while no partial character is held, skips the incremental
+        decoder."""
         self._token_bytes = token_bytes
+        self._token_texts = token_texts or (None,) * len(token_bytes)
         self._skipped_ids = skipped_ids
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._unjoined_pieces: list[str] = []
@@ -440,7 +457,12 @@ class IncrementalDetokenizer:
             raise TokenizerError(f"token id {token_id} is outside the vocabulary of {len(self._token_bytes)}")
         if token_id in self._skipped_ids:
             return ""
-        return self._emit(self._utf8.decode(self._token_bytes[token_id]))
+        piece = self._token_texts[token_id]
+        if piece is None or self._utf8.buffer:  # part of a character, or one is held: the decoder joins them
+            piece = self._utf8.decode(self._token_bytes[token_id])
+        if piece:
+            self._unjoined_pieces.append(piece)
+        return piece
 
     def flush(self) -> str:
         """Whatever is still held at the end of the stream; incomplete bytes become U+FFFD."""

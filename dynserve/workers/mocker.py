@@ -75,7 +75,7 @@ def step_work(batch: ScheduledBatch) -> StepWork:
     for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
         if is_decode(seq, num_new):
             num_decode += 1
-            num_context += seq.num_tokens
+            num_context += len(seq.token_ids)
         else:
             num_prefill += num_new
             num_pairs += num_new * seq.num_computed_tokens + num_new * (num_new + 1) // 2
@@ -147,7 +147,7 @@ class MockEngine(EngineCore):
     def _execute(self, batch: ScheduledBatch) -> StepSamples:
         samples = StepSamples([], [], [])
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.num_computed_tokens + num_new != seq.num_tokens:
+            if seq.num_computed_tokens + num_new != len(seq.token_ids):
                 continue  # a prefill chunk that is not the last: no token yet
             token_id = self._draw(seq.params.seed, seq.num_tokens)
             samples.seqs.append(seq)
