@@ -120,10 +120,12 @@ class _ListSink:
         self.errors: list[Any] = []
         self.threads: set[int] = set()
         self.done = asyncio.Event()
+        self.num_deliveries = 0
 
     def deliver(self, deltas: list[Any]) -> None:
         self.threads.add(threading.get_ident())
         self.deltas += deltas
+        self.num_deliveries += 1
         if any(d.finished for d in deltas):
             self.done.set()
 
@@ -170,6 +172,40 @@ def test_in_a_worker_the_mocker_steps_on_the_event_loop_at_the_profiles_pace(tok
     modelled_s = engine.simulated_busy_s  # one prefill step of the 4 prompts, then 5 decode steps
     assert modelled_s > 0.2
     assert modelled_s * 0.95 <= elapsed_s <= modelled_s * 1.5 + 0.05, (modelled_s, elapsed_s)
+
+
+def test_the_inline_loop_sends_a_fast_engines_tokens_together_and_a_slow_ones_step_by_step(
+        tokenizer: Tokenizer) -> None:
+    """Steps far under a millisecond (a mocker at a high speedup): the tokens of several steps go out in one
+    delivery, all of them, in order, the last at once. Steps of a few ms: each step's tokens alone."""
+    from dynserve.protocol import GenerateRequest
+    from dynserve.workers.engine_loop import InlineEngineLoop
+
+    prompt = tokenizer.encode("Tell me a story.")
+    params = SamplingParams(max_tokens=300, temperature=0)
+
+    async def serve(speedup: float) -> tuple[_ListSink, MockEngine]:
+        settings = Settings(mocker="cpu", kv_blocks=256, mocker_speedup=speedup)
+        engine = MockEngine(settings, tokenizer, _profile(), sleep=False)
+        driver = InlineEngineLoop(lambda: engine)
+        driver.start()
+        driver.attach(asyncio.get_running_loop())
+        sink = _ListSink()
+        driver.submit(GenerateRequest(request_id="r", token_ids=prompt, params=params), sink)
+        await asyncio.wait_for(sink.done.wait(), 30)
+        assert driver.num_open_requests == 0
+        driver.stop()
+        return sink, engine
+
+    reference = _engine(tokenizer, mocker_speedup=1e6).generate([prompt], params)[0].token_ids
+    for speedup in (1e6, 10.0):  # a decode step of about 40 us of Python (the modelled 0.04 us), then 4 ms
+        sink, engine = asyncio.run(serve(speedup))
+        assert not sink.errors and [t for d in sink.deltas for t in d.token_ids] == reference
+        assert sink.deltas[-1].finished and engine.stats.num_steps == 300
+        if speedup > 1e3:
+            assert sink.num_deliveries <= engine.stats.num_steps // 4, sink.num_deliveries
+        else:
+            assert sink.num_deliveries == engine.stats.num_steps
 
 
 def test_stopping_the_inline_loop_fails_what_is_open_and_refuses_work(tokenizer: Tokenizer) -> None:
