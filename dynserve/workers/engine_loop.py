@@ -17,11 +17,13 @@ Two drivers share the bookkeeping (`_Driver`: open requests, per-request timings
   waits for the step's modelled end, then delivers its tokens: on the loop's timer when that end is at
   least `_MIN_SLEEP_S` ahead, else with a bare yield (the engine's clock carries the difference into the
   next step). Either way the loop serves I/O between steps. Its tokens go out with the next step's while
-  that step should end within `_COALESCE_S` (1 ms) of the oldest held token (judged by the last step's
-  length), and at once when the engine runs out of work: a mocker at a high speedup steps every 0.1-0.2 ms
+  that step should end within `_COALESCE_S` (0.5 ms) of the oldest held token (judged by the last step's
+  length, modelled or measured, whichever is longer), and at once when the engine runs out of work: a mocker at a high speedup steps every 0.1-0.2 ms
   with a few sequences, and one frame per step made every hop after it (the worker's write, the gateway's
-  read and wake-ups, the client's writes) pay per step; a step of 1 ms or more (a mocker at the speedups
+  read and wake-ups, the client's writes) pay per step; a step of 0.5 ms or more (a mocker at the speedups
   the routing and disaggregation benchmarks use, any real model) still delivers each step's tokens alone.
+  The window is short because a gateway that sleeps between deliveries wakes late for the last one: at
+  concurrency 1 a longer one (1 ms) cost the gateway's path more than the single-process mocker's.
 
 KV reads for requests prefilled elsewhere (`EngineCore.drain_receives`) run on a small thread pool through
 the worker's `kv_reader`, so the engine keeps stepping other requests while pages arrive; each read's end
@@ -64,7 +66,7 @@ logger = logging.getLogger(__name__)
 NUM_TIMINGS_KEPT = 4096
 _STOPPED = "the engine loop has stopped"  # the error of a request or call a stopped driver refuses
 _MIN_SLEEP_S = 0.001  # the asyncio loop's timers have millisecond resolution: shorter waits are not slept
-_COALESCE_S = 0.001  # the inline loop holds a fast engine's tokens up to this long, to send them together
+_COALESCE_S = 0.0005  # the inline loop holds a fast engine's tokens up to this long, to send them together
 
 
 class Sink(Protocol):
@@ -547,7 +549,7 @@ class InlineEngineLoop(_Driver):
         engine = self.engine
         assert engine is not None and self._wake is not None
         held: list[TokenDelta] = []
-        held_since_s = 0.0
+        held_since_s = last_clock_s = 0.0
         try:
             while True:
                 # anything that needs a pass from here on (a request, a read's end) sets the wake again
@@ -566,8 +568,11 @@ class InlineEngineLoop(_Driver):
                         # resolution, a bare yield) lets requests that come meanwhile join the next step
                         wait_s = engine.next_step_s - time.monotonic()
                         await asyncio.sleep(wait_s if wait_s >= _MIN_SLEEP_S else 0)
-                        ended_s = time.monotonic()
-                        step_s = ended_s - started_s
+                        # the step's length, or where the engine paces itself (a mocker), its modelled one: a
+                        # step that caught up on a late clock ends early, but the next takes its full time
+                        ended_s, clock_s = time.monotonic(), engine.next_step_s
+                        step_s = max(ended_s - started_s, clock_s - last_clock_s)
+                        last_clock_s = clock_s
                         if deltas and not held:
                             held_since_s = ended_s
                         held += deltas
