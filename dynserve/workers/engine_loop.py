@@ -18,12 +18,13 @@ Two drivers share the bookkeeping (`_Driver`: open requests, per-request timings
   least `_MIN_SLEEP_S` ahead, else with a bare yield (the engine's clock carries the difference into the
   next step). Either way the loop serves I/O between steps. Its tokens go out with the next step's while
   that step should end within `_COALESCE_S` (0.5 ms) of the oldest held token (judged by the last step's
-  length, modelled or measured, whichever is longer), and at once when the engine runs out of work: a mocker at a high speedup steps every 0.1-0.2 ms
-  with a few sequences, and one frame per step made every hop after it (the worker's write, the gateway's
-  read and wake-ups, the client's writes) pay per step; a step of 0.5 ms or more (a mocker at the speedups
-  the routing and disaggregation benchmarks use, any real model) still delivers each step's tokens alone.
-  The window is short because a gateway that sleeps between deliveries wakes late for the last one: at
-  concurrency 1 a longer one (1 ms) cost the gateway's path more than the single-process mocker's.
+  length, modelled or measured, whichever is longer), and at once when the engine runs out of work: a
+  mocker at a high speedup steps every 0.1-0.2 ms with a few sequences, and one frame per step made every
+  hop after it (the worker's write, the gateway's read and wake-ups, the client's writes) pay per step; a
+  step of 0.5 ms or more (a mocker at the speedups the routing and disaggregation benchmarks use, any real
+  model) still delivers each step's tokens alone. The window is short because a gateway that sleeps
+  between deliveries wakes late for the last one: at concurrency 1 a longer one (1 ms) cost the gateway's
+  path more than the single-process mocker's.
 
 KV reads for requests prefilled elsewhere (`EngineCore.drain_receives`) run on a small thread pool through
 the worker's `kv_reader`, so the engine keeps stepping other requests while pages arrive; each read's end
