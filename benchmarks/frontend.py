@@ -22,7 +22,21 @@ streamed response by its chunk framing only (the first few responses of each pha
 and checked: 16 tokens, a usage chunk, `[DONE]`), so its own CPU, which shares this machine's two cores,
 stays small. The last stdout line is the JSON result; a copy goes to `benchmarks/results/`.
 
-Measured here (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
+Measured here after the inline loop began coalescing a fast engine's tokens (2026-11-22, full runs; this
+VM runs in a fast and a slow phase a few minutes long, and every process's CPU per request, the client's
+too, moves with it):
+- 2 mockers at speedup 1000 step every 0.1-0.2 ms with 2-3 sequences (5,000-7,000 steps per 1,000
+  requests): one frame per step cost the worker's write, the gateway's read and wake-ups and the
+  client's writes per step. With the tokens of up to 0.5 ms of steps sent together (and the engine's
+  per-token work cut to 0.68x): 1,048, 1,374, 1,200 req/s against 1,012, 998, 990 at the commit before,
+  interleaved (1 ms window); 0.5 ms window: 981, 880, 764 (slow phase, CPU total 2.0-2.5 ms), 828 and
+  1,400 (total 2.33 and 1.41 ms).
+- `added_p50_ms_c1` rose with it: the single-process mocker, which read every frame on the loop that
+  also steps its engine, got faster (p50 3.0 to 1.7-2.0 ms) more than the gateway's path (3.0 to 1.8-3.4
+  ms), whose two extra wake-ups it now pays alone: 0.12 to 1.22 ms (0.12 and 0.48 in fast phases, 0.68
+  to 1.22 in slow ones), against -0.51 to 0.19 before.
+
+Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
 - mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved
   pairs: 594-670 req/s (mean 641) against 458-732 (mean 593); a mocker's CPU 0.57-0.76 ms per request
   against 0.64-0.96; `added_p50_ms_c1` 0.10-1.27 (mean 0.70) against 0.94-1.87 (mean 1.43);
