@@ -33,7 +33,7 @@ too, moves with it):
   1,400 (total 2.33 and 1.41 ms).
 - `added_p50_ms_c1` rose with it: the single-process mocker, which read every frame on the loop that
   also steps its engine, got faster (p50 3.0 to 1.7-2.0 ms) more than the gateway's path (3.0 to 1.8-3.4
-  ms), whose two extra wake-ups it now pays alone: 0.12 to 1.22 ms (0.12 and 0.48 in fast phases, 0.68
+  ms), whose two extra wake-ups it now pays alone: 0.12 to 1.22 ms (0.12 in the fast-phase run, 0.48
   to 1.22 in slow ones), against -0.51 to 0.19 before.
 
 Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
