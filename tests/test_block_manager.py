@@ -469,3 +469,18 @@ def test_prefix_caching_disabled_never_hits_or_emits() -> None:
     assert bm.allocate(again) and again.num_computed_tokens == 0
     assert bm.cached_block_hashes() == [] and bm.drain_events() == []
     bm.check_integrity([again])
+
+
+def test_block_hashes_are_xxh3_of_the_parent_then_the_ids_in_little_endian() -> None:
+    """The format every worker's prefix cache and every router must share (it is on the wire in KV events):
+    pinned here against xxh3 of the spelled-out bytes, chained block to block."""
+    import struct
+
+    import xxhash
+
+    ids = [0, 1, 49151, 2**40, 7, 7, 7, 3]
+    first = xxhash.xxh3_64_intdigest(bytes(8) + struct.pack("<4q", *ids[:4]), SALT)
+    second = xxhash.xxh3_64_intdigest(first.to_bytes(8, "little") + struct.pack("<4q", *ids[4:]), SALT)
+    assert hash_blocks(ids + [9], 4, SALT) == [first, second]  # the partial tail is not hashed
+    assert [hash_block(None, ids[:4], SALT), hash_block(first, ids[4:], SALT)] == [first, second]
+    assert hash_blocks(ids[4:], 4, SALT, parent=first) == [second]
