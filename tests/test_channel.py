@@ -65,6 +65,56 @@ def test_a_peer_that_drops_the_connection_ends_streams_retryably() -> None:
     asyncio.run(scenario())
 
 
+def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> None:
+    """A stand-in peer (not a worker) that records the frames it reads: a burst of requests and an abort
+    sent together cost the gateway one socket write, and arrive whole and in order."""
+
+    async def scenario() -> None:
+        frames: list[bytes] = []
+        got_all = asyncio.Event()
+
+        ended = asyncio.Event()
+
+        async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while (body := await read_frame(reader)) is not None:
+                frames.append(body)
+                if len(frames) == 4:
+                    got_all.set()
+            writer.close()
+            ended.set()
+
+        server = await asyncio.start_server(record, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        info = WorkerInfo(worker_id="peer", role="both", host="127.0.0.1", port=port, model_id="m",
+                          max_model_len=64, block_size=16, num_blocks=4)
+        connection = WorkerConnection(info)
+        await connection.connect()
+        writes: list[bytes] = []
+        assert connection._writer is not None
+        write = connection._writer.write
+
+        def counted(data: bytes) -> None:
+            writes.append(data)
+            write(data)
+
+        connection._writer.write = counted  # type: ignore[method-assign]
+        streams = [connection.generate(GenerateRequest(request_id=f"r{i}", token_ids=[i], params=GREEDY))
+                   for i in range(3)]
+        tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        await asyncio.sleep(0)  # each stream sends its request and waits for its first delta
+        connection.abort("r1")
+        await asyncio.wait_for(got_all.wait(), 5)
+        assert len(writes) == 1 and b"".join(writes).count(b"r1") == 2
+        assert [f.count(b"r0") + 2 * f.count(b"r1") + 4 * f.count(b"r2") for f in frames] == [1, 2, 4, 2]
+        for task in tasks:
+            task.cancel()
+        await connection.close()
+        await asyncio.wait_for(ended.wait(), 5)
+        server.close()
+
+    asyncio.run(scenario())
+
+
 def test_unreachable_worker_is_unavailable() -> None:
     info = WorkerInfo(worker_id="none", role="both", host="127.0.0.1", port=1, model_id="m", max_model_len=64,
                       block_size=16, num_blocks=4)

@@ -113,6 +113,7 @@ class WorkerConnection:
         self.info = info
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[bytes] = []  # frames waiting for the end of this pass of the loop (see `_send`)
         self._reader_task: asyncio.Task[None] | None = None
         self._streams: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._load_waiters: deque[asyncio.Future[_Reply]] = deque()
@@ -161,7 +162,14 @@ class WorkerConnection:
             raise WorkerUnavailableError(
                 f"worker {self.worker_id} is unavailable ({self._closed_reason})", worker_id=self.worker_id
             )
-        self._writer.write(encode_frame(message))
+        if not self._outbox:  # the frames sent during this pass of the loop go out in one write
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append(encode_frame(message))
+
+    def _flush(self) -> None:
+        if self._writer is not None:  # else the connection ended meanwhile: its requests failed already
+            self._writer.write(b"".join(self._outbox))
+        self._outbox.clear()
 
     async def load(self, timeout_s: float = 2.0) -> WorkerLoad:
         return await self._ask(LoadRequest(), self._load_waiters, timeout_s, "report its load")
