@@ -35,6 +35,10 @@ too, moves with it):
   also steps its engine, got faster (p50 3.0 to 1.7-2.0 ms) more than the gateway's path (3.0 to 1.8-3.4
   ms), whose two extra wake-ups it now pays alone: 0.12 to 1.22 ms (0.12 in the fast-phase run, 0.48
   to 1.22 in slow ones), against -0.51 to 0.19 before.
+- With the gateway's frames to a worker written once per pass of its loop (dae4e93), three full runs:
+  1,290, 1,296 and 1,194 req/s (p50 24.7, 23.4, 27.0 ms; CPU total 1.44, 1.39, 1.53 ms: gateway
+  0.61-0.70, mockers 0.24-0.28 each, event plane 0.14-0.16, client 0.12-0.14), `added_p50_ms_c1` 0.06,
+  0.07 and 0.33 (direct 1.71-1.79 ms, gateway 1.77-2.27).
 
 Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
 - mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved
