@@ -38,7 +38,12 @@ too, moves with it):
 - With the gateway's frames to a worker written once per pass of its loop (dae4e93), three full runs:
   1,290, 1,296 and 1,194 req/s (p50 24.7, 23.4, 27.0 ms; CPU total 1.44, 1.39, 1.53 ms: gateway
   0.61-0.70, mockers 0.24-0.28 each, event plane 0.14-0.16, client 0.12-0.14), `added_p50_ms_c1` 0.06,
-  0.07 and 0.33 (direct 1.71-1.79 ms, gateway 1.77-2.27).
+  0.07 and 0.33 (direct 1.71-1.79 ms, gateway 1.77-2.27). Three more, in a slow phase (the client's
+  CPU 0.15-0.17 ms a request against 0.12-0.14): 986, 1,070, 1,197 req/s, c1 0.72, 0.39, -0.03.
+- KV events published at most every 50 ms (1f9cf28), three full runs in a slow phase: 1,073, 1,058, 964
+  req/s (CPU total 1.66-1.75 ms: gateway 0.80-0.86, mockers 0.26-0.30 each, event plane 0.12-0.14, client
+  0.16-0.17), c1 0.72, 0.22, 0.08. The gateway, one process, now uses 0.85 of a core at 1,070 req/s: it is
+  the next bound, ahead of the machine's two cores.
 
 Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
 - mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved
