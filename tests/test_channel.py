@@ -40,6 +40,17 @@ def test_oversized_or_truncated_frames_are_channel_errors() -> None:
         asyncio.run(read(struct.pack("!I", 10) + b"abc"))
 
 
+async def _connect_to_stand_in(handler: Any) -> tuple[asyncio.Server, WorkerConnection]:
+    """A server running `handler` for each connection (a stand-in peer, not a worker), and a channel to it."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    info = WorkerInfo(worker_id="peer", role="both", host="127.0.0.1", port=port, model_id="m",
+                      max_model_len=64, block_size=16, num_blocks=4)
+    connection = WorkerConnection(info)
+    await connection.connect()
+    return server, connection
+
+
 def test_a_peer_that_drops_the_connection_ends_streams_retryably() -> None:
     """A stand-in peer (not a worker) that reads one frame and hangs up, as a crashing worker would."""
 
@@ -48,12 +59,7 @@ def test_a_peer_that_drops_the_connection_ends_streams_retryably() -> None:
             await read_frame(reader)
             writer.close()
 
-        server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        info = WorkerInfo(worker_id="peer", role="both", host="127.0.0.1", port=port, model_id="m",
-                          max_model_len=64, block_size=16, num_blocks=4)
-        connection = WorkerConnection(info)
-        await connection.connect()
+        server, connection = await _connect_to_stand_in(hang_up)
         with pytest.raises(WorkerUnavailableError):
             async for _ in connection.generate(GenerateRequest(request_id="r", token_ids=[1, 2], params=GREEDY)):
                 pass
@@ -71,9 +77,7 @@ def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> N
 
     async def scenario() -> None:
         frames: list[bytes] = []
-        got_all = asyncio.Event()
-
-        ended = asyncio.Event()
+        got_all, ended = asyncio.Event(), asyncio.Event()
 
         async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             while (body := await read_frame(reader)) is not None:
@@ -83,12 +87,7 @@ def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> N
             writer.close()
             ended.set()
 
-        server = await asyncio.start_server(record, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        info = WorkerInfo(worker_id="peer", role="both", host="127.0.0.1", port=port, model_id="m",
-                          max_model_len=64, block_size=16, num_blocks=4)
-        connection = WorkerConnection(info)
-        await connection.connect()
+        server, connection = await _connect_to_stand_in(record)
         writes: list[bytes] = []
         assert connection._writer is not None
         write = connection._writer.write

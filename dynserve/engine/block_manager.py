@@ -94,7 +94,7 @@ class BlockManager:
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_tokens` tokens; False (nothing changed) if blocks run out."""
-        num_new = -(-num_tokens // self.block_size) - len(seq.block_table)
+        num_new = self.blocks_needed(num_tokens) - len(seq.block_table)
         if num_new <= 0:
             return True
         if num_new > self.num_free_blocks:

@@ -343,8 +343,8 @@ class EngineCore(abc.ABC):
         output = request.output
         stop_token = token_id in request.stop_token_ids
         text = "" if stop_token else output.push(token_id)
-        num_tokens = len(seq.token_ids)
-        num_output_tokens = num_tokens - len(seq.prompt_token_ids)
+        num_tokens, num_prompt_tokens = len(seq.token_ids), len(seq.prompt_token_ids)
+        num_output_tokens = num_tokens - num_prompt_tokens
         reason = None
         if stop_token or output.stopped:
             reason = "stop"
@@ -363,7 +363,7 @@ class EngineCore(abc.ABC):
             finished=reason is not None,
             finish_reason=reason,
             logprobs=None if logprob is None else [logprob],
-            num_prompt_tokens=num_tokens - num_output_tokens,
+            num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=num_output_tokens,
             kv_fallback=kv_fallback,

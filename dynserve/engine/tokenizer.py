@@ -440,12 +440,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, token_bytes: tuple[bytes, ...], skipped_ids: frozenset[int],
-                 token_texts: tuple[str | None, ...] | None = None) -> None:
-        """`token_texts` (`Tokenizer` passes its table): each token's text where its bytes are whole
-        characters, else None; such a token, pushed while no partial character is held, skips the incremental
-        decoder."""
+                 token_texts: tuple[str | None, ...]) -> None:
+        """`token_texts`: each token's text where its bytes are whole characters, else None; such a token,
+        pushed while no partial character is held, skips the incremental decoder."""
         self._token_bytes = token_bytes
-        self._token_texts = token_texts or (None,) * len(token_bytes)
+        self._token_texts = token_texts
         self._skipped_ids = skipped_ids
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._unjoined_pieces: list[str] = []
@@ -460,9 +459,7 @@ class IncrementalDetokenizer:
         piece = self._token_texts[token_id]
         if piece is None or self._utf8.buffer:  # part of a character, or one is held: the decoder joins them
             piece = self._utf8.decode(self._token_bytes[token_id])
-        if piece:
-            self._unjoined_pieces.append(piece)
-        return piece
+        return self._emit(piece)
 
     def flush(self) -> str:
         """Whatever is still held at the end of the stream; incomplete bytes become U+FFFD."""

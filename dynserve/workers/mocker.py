@@ -147,9 +147,10 @@ class MockEngine(EngineCore):
     def _execute(self, batch: ScheduledBatch) -> StepSamples:
         samples = StepSamples([], [], [])
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if seq.num_computed_tokens + num_new != len(seq.token_ids):
+            num_tokens = len(seq.token_ids)
+            if seq.num_computed_tokens + num_new != num_tokens:
                 continue  # a prefill chunk that is not the last: no token yet
-            token_id = self._draw(seq.params.seed, seq.num_tokens)
+            token_id = self._draw(seq.params.seed, num_tokens)
             samples.seqs.append(seq)
             samples.token_ids.append(token_id)
             samples.logprobs.append(None if seq.params.logprobs is None else self._logprob(seq, token_id))
