@@ -10,7 +10,7 @@ import pytest
 
 from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
 from dynserve.protocol import GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, WorkerInfo
-from dynserve.workers.channel import MAX_FRAME_BYTES, WorkerConnection, merge_deltas, read_frame
+from dynserve.workers.channel import MAX_FRAME_BYTES, FrameWriter, WorkerConnection, merge_deltas, read_frame
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -71,9 +71,10 @@ def test_a_peer_that_drops_the_connection_ends_streams_retryably() -> None:
     asyncio.run(scenario())
 
 
-def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> None:
-    """A stand-in peer (not a worker) that records the frames it reads: a burst of requests and an abort
-    sent together cost the gateway one socket write, and arrive whole and in order."""
+def test_requests_go_out_at_once_and_the_aborts_of_one_pass_in_one_write_in_order() -> None:
+    """A stand-in peer (not a worker) that records the frames it reads: each request is written the moment
+    it is sent (the worker starts on it when it reads it), two aborts sent in one pass of the loop cost one
+    write at the end of it, and every frame arrives whole and in order."""
 
     async def scenario() -> None:
         frames: list[bytes] = []
@@ -82,7 +83,7 @@ def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> N
         async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             while (body := await read_frame(reader)) is not None:
                 frames.append(body)
-                if len(frames) == 4:
+                if len(frames) == 5:
                     got_all.set()
             writer.close()
             ended.set()
@@ -101,14 +102,58 @@ def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> N
                    for i in range(3)]
         tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
         await asyncio.sleep(0)  # each stream sends its request and waits for its first delta
+        assert [w.count(b"r0") + 2 * w.count(b"r1") + 4 * w.count(b"r2") for w in writes] == [1, 2, 4]
+        connection.abort("r0")
         connection.abort("r1")
+        assert len(writes) == 3  # held to the end of this pass
         await asyncio.wait_for(got_all.wait(), 5)
-        assert len(writes) == 1 and b"".join(writes).count(b"r1") == 2
-        assert [f.count(b"r0") + 2 * f.count(b"r1") + 4 * f.count(b"r2") for f in frames] == [1, 2, 4, 2]
+        assert len(writes) == 4 and writes[3].count(b"r0") == writes[3].count(b"r1") == 1
+        assert [f.count(b"r0") + 2 * f.count(b"r1") + 4 * f.count(b"r2") for f in frames] == [1, 2, 4, 1, 2]
         for task in tasks:
             task.cancel()
         await connection.close()
         await asyncio.wait_for(ended.wait(), 5)
+        server.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_frame_writer_keeps_order_across_threads_and_a_backlog_and_closing_it_ends_the_stream() -> None:
+    """The worker's side (`FrameWriter`): frames written on the loop and on another thread (as the engine
+    thread writes a step's tokens), one of them far bigger than the socket's buffers while the peer is not
+    reading, so that it and the frames after it wait in the backlog: all arrive whole and in order. The
+    connection ends once the stream and the writer are both closed."""
+
+    def frame(body: bytes) -> bytes:
+        return struct.pack("!I", len(body)) + body
+
+    async def scenario() -> None:
+        accepted: asyncio.Future[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Future()
+
+        async def keep(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.set_result((reader, writer))
+
+        server = await asyncio.start_server(keep, "127.0.0.1", 0)
+        peer, peer_writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        _, writer = await asyncio.wait_for(accepted, 5)
+        frames = FrameWriter(writer.get_extra_info("socket"), asyncio.get_running_loop())
+        big = bytes(range(256)) * (32 * 2**10)  # 8 MiB
+        frames.write(frame(b"first"))
+        frames.write(frame(big))
+        assert frames._backlog  # the peer reads nothing yet: most of `big` waits
+
+        def from_another_thread() -> None:
+            for i in range(100):
+                frames.write(frame(b"t%d" % i))
+
+        await asyncio.to_thread(from_another_thread)
+        frames.write(frame(b"last"))
+        got = [await asyncio.wait_for(read_frame(peer), 10) for _ in range(103)]
+        assert got == [b"first", big, *(b"t%d" % i for i in range(100)), b"last"]
+        writer.close()
+        await frames.close()
+        assert await asyncio.wait_for(read_frame(peer), 5) is None
+        peer_writer.close()
         server.close()
 
     asyncio.run(scenario())

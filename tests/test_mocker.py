@@ -115,6 +115,8 @@ def test_step_time_follows_the_profile_and_the_speedup(tokenizer: Tokenizer) -> 
 class _ListSink:
     """Collects a request's deltas and errors, and the threads they were delivered on."""
 
+    thread_safe = False
+
     def __init__(self) -> None:
         self.deltas: list[Any] = []
         self.errors: list[Any] = []
@@ -206,6 +208,58 @@ def test_the_inline_loop_sends_a_fast_engines_tokens_together_and_a_slow_ones_st
             assert sink.num_deliveries <= engine.stats.num_steps // 4, sink.num_deliveries
         else:
             assert sink.num_deliveries == engine.stats.num_steps
+
+
+class _ThreadSafeListSink:
+    """Collects a request's deltas from any thread, as a worker's connection takes them."""
+
+    thread_safe = True
+
+    def __init__(self) -> None:
+        self.deltas: list[Any] = []
+        self.threads: set[int] = set()
+        self.finished = threading.Event()
+
+    def deliver(self, deltas: list[Any]) -> None:
+        self.threads.add(threading.get_ident())
+        self.deltas += deltas
+        if any(d.finished for d in deltas):
+            self.finished.set()
+
+    def fail(self, error: Any) -> None:
+        raise AssertionError(error)
+
+
+def test_the_threaded_loop_hands_a_thread_safe_sinks_tokens_over_on_the_engine_thread(
+        tokenizer: Tokenizer) -> None:
+    """`EngineLoop` (the real model's driver, here stepping a sleeping mocker): a sink that says it is
+    thread-safe (a worker's connection) takes each step's tokens on the engine's thread, without waiting for
+    the event loop to wake; any other sink on the loop's thread. The same tokens either way."""
+    from dynserve.protocol import GenerateRequest
+    from dynserve.workers.engine_loop import EngineLoop
+
+    prompt = tokenizer.encode("Tell me a story.")
+    params = SamplingParams(max_tokens=20, temperature=0)
+    settings = Settings(mocker="cpu", kv_blocks=256, mocker_speedup=100.0)
+
+    async def serve() -> tuple[_ListSink, _ThreadSafeListSink, int | None]:
+        driver = EngineLoop(lambda: MockEngine(settings, tokenizer, _profile(), sleep=True), name="engine-t")
+        driver.start()
+        driver.attach(asyncio.get_running_loop())
+        on_loop, direct = _ListSink(), _ThreadSafeListSink()
+        driver.submit(GenerateRequest(request_id="a", token_ids=prompt, params=params), on_loop)
+        driver.submit(GenerateRequest(request_id="b", token_ids=prompt, params=params), direct)
+        await asyncio.wait_for(on_loop.done.wait(), 30)
+        assert await asyncio.to_thread(direct.finished.wait, 30)
+        engine_thread = driver._thread.ident
+        await asyncio.to_thread(driver.stop)
+        return on_loop, direct, engine_thread
+
+    on_loop, direct, engine_thread = asyncio.run(serve())
+    assert not on_loop.errors and on_loop.threads == {threading.get_ident()}
+    assert direct.threads == {engine_thread} != on_loop.threads
+    tokens = [[t for d in sink.deltas for t in d.token_ids] for sink in (on_loop, direct)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 20
 
 
 def test_stopping_the_inline_loop_fails_what_is_open_and_refuses_work(tokenizer: Tokenizer) -> None:

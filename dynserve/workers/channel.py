@@ -16,7 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import struct
+import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
@@ -40,7 +44,7 @@ from dynserve.protocol import (
     WorkerLoad,
 )
 
-__all__ = ["MAX_FRAME_BYTES", "WorkerConnection", "encode_frame", "merge_deltas", "read_frame"]
+__all__ = ["MAX_FRAME_BYTES", "FrameWriter", "WorkerConnection", "encode_frame", "merge_deltas", "read_frame"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +93,85 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
         text="".join(d.text for d in deltas),
         logprobs=logprobs,
     )
+
+
+class FrameWriter:
+    """The worker's side of a connection, for writing: frames from any thread, in the order written.
+
+    The engine thread writes a step's deltas itself the moment the step ends: handing them to the event loop
+    first cost a wake-up of the loop's thread and a GIL hand-off, about 1 ms a token on this CPU, while the
+    send itself takes microseconds. A frame the socket cannot take whole waits, with every frame after it,
+    in a backlog that the loop sends when the socket is writable. The writer owns a duplicate of the
+    connection's descriptor (the loop watches it for writability apart from the stream reading the
+    original), so the connection ends only when both are closed: `close` after the stream's own close.
+    """
+
+    def __init__(self, sock: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._sock = socket.socket(fileno=os.dup(sock.fileno()))
+        self._sock.setblocking(False)
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._backlog: deque[memoryview] = deque()
+        self._watching = False
+        self._closed = False
+
+    def write(self, data: bytes) -> None:
+        """Send `data` now, or after what waits before it; dropped once the connection is closed or broken."""
+        with self._lock:
+            if self._closed:
+                return
+            if not self._backlog:
+                try:
+                    sent = self._sock.send(data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:  # the peer is gone: the reading side sees the end and cleans up
+                    self._closed = True
+                    return
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            self._backlog.append(memoryview(data))
+            if len(self._backlog) == 1:
+                self._loop.call_soon_threadsafe(self._watch)
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Send what waits (up to `timeout_s`), then close this writer's descriptor. On the loop."""
+        deadline_s = time.monotonic() + timeout_s
+        while self._backlog and not self._closed and time.monotonic() < deadline_s:
+            await asyncio.sleep(0.005)
+        with self._lock:
+            self._closed = True
+            self._backlog.clear()
+            if self._watching:
+                self._loop.remove_writer(self._sock.fileno())
+                self._watching = False
+            self._sock.close()
+
+    def _watch(self) -> None:
+        with self._lock:
+            if self._backlog and not self._closed and not self._watching:
+                self._watching = True
+                self._loop.add_writer(self._sock.fileno(), self._send_backlog)
+
+    def _send_backlog(self) -> None:
+        with self._lock:
+            while self._backlog and not self._closed:
+                head = self._backlog[0]
+                try:
+                    sent = self._sock.send(head)
+                except BlockingIOError:
+                    return
+                except OSError:
+                    self._closed = True
+                    break
+                if sent < len(head):
+                    self._backlog[0] = head[sent:]
+                    return
+                self._backlog.popleft()
+            self._backlog.clear()
+            self._loop.remove_writer(self._sock.fileno())
+            self._watching = False
 
 
 class _Closed:
@@ -157,16 +240,27 @@ class WorkerConnection:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
 
-    def _send(self, message: ClientFrame) -> None:
+    def _send(self, message: ClientFrame, *, at_once: bool = False) -> None:
+        """Queue `message` for the end of this pass of the loop, so that the aborts, releases and questions
+        of one pass go out in one write; `at_once` writes it now, with anything queued before it.
+
+        A request goes at once: the worker starts on it the moment it reads it, and a gateway taking a burst
+        of requests spends 0.2-0.3 ms on each (parsing, validation, routing), so holding them to the end of
+        the pass held the first for the whole burst (measured: 16 requests of 500 token ids, median time
+        to the worker 9.0-10.3 ms held, 3.6 ms at once)."""
         if self._closed_reason is not None or self._writer is None:
             raise WorkerUnavailableError(
                 f"worker {self.worker_id} is unavailable ({self._closed_reason})", worker_id=self.worker_id
             )
-        if not self._outbox:  # the frames sent during this pass of the loop go out in one write
-            asyncio.get_running_loop().call_soon(self._flush)
         self._outbox.append(encode_frame(message))
+        if at_once:
+            self._flush()
+        elif len(self._outbox) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        if not self._outbox:  # a request written them already
+            return
         if self._writer is not None:  # else the connection ended meanwhile: its requests failed already
             self._writer.write(b"".join(self._outbox))
         self._outbox.clear()
@@ -212,7 +306,7 @@ class WorkerConnection:
             raise InvalidRequestError(f"request id {request.request_id!r} is already streaming", param="request_id")
         queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request.request_id] = queue
-        self._send(request)
+        self._send(request, at_once=True)
         finished = False
         try:
             while not finished:

@@ -54,7 +54,7 @@ from dynserve.protocol import (
     WorkerInfo,
     WorkerLoad,
 )
-from dynserve.workers.channel import encode_frame, read_frame
+from dynserve.workers.channel import FrameWriter, encode_frame, read_frame
 
 __all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_worker", "reserved_cpus"]
 
@@ -75,11 +75,15 @@ _PUBLISH_INTERVAL_S = 0.05
 
 
 class _ConnectionSink:
-    """Writes one connection's deltas and errors; remembers its open requests to abort them on close."""
+    """Writes one connection's deltas and errors, from the engine's thread or the loop's (`FrameWriter`);
+    remembers its open requests to abort them on close."""
+
+    thread_safe = True  # the engine thread delivers to it directly (see `Sink`)
 
     def __init__(self, writer: asyncio.StreamWriter) -> None:
         self.writer = writer
-        self.open_request_ids: set[str] = set()
+        self.frames = FrameWriter(writer.get_extra_info("socket"), asyncio.get_running_loop())
+        self.open_request_ids: set[str] = set()  # each change is one atomic set operation, from either thread
 
     def deliver(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
@@ -92,12 +96,20 @@ class _ConnectionSink:
         self.write(error)
 
     def write(self, frame: DeltaBatch | RequestError | WorkerLoad | KVSnapshot) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(encode_frame(frame))
+        self.frames.write(encode_frame(frame))
+
+    async def close(self) -> None:
+        """Send what is waiting, then end the connection."""
+        await self.frames.close()
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            await self.writer.wait_closed()
 
 
 class _QueueSink:
     """Feeds one request's output to a Ray streaming generator."""
+
+    thread_safe = False  # an asyncio queue: delivered on the loop
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
@@ -149,7 +161,7 @@ class EngineWorker:
         self._draining = False
         self._plane: Any = None
         self._heartbeat: asyncio.Task[None] | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._sinks: set[_ConnectionSink] = set()
         self._num_ray_streams = 0
 
     def _setup_transfer(self) -> None:
@@ -352,11 +364,7 @@ class EngineWorker:
                            timeout_s, num_cut)
             await asyncio.to_thread(self._runner.stop)
             await asyncio.sleep(0)  # deliver the errors the stop queued on this loop
-        for writer in list(self._writers):
-            writer.close()  # sends what is buffered, then closes
-        for writer in list(self._writers):
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+        await asyncio.gather(*(sink.close() for sink in list(self._sinks)))
         logger.info("worker %s drained (%d requests cut)", self.worker_id, num_cut)
         return num_cut
 
@@ -385,7 +393,7 @@ class EngineWorker:
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sink = _ConnectionSink(writer)
-        self._writers.add(writer)
+        self._sinks.add(sink)
         try:
             while (body := await read_frame(reader)) is not None:
                 frame = _CLIENT_FRAMES.decode(body)
@@ -404,12 +412,10 @@ class EngineWorker:
         except (ChannelError, msgspec.DecodeError, OSError) as exc:
             logger.warning("worker %s: dropping a client connection: %s", self.worker_id, exc)
         finally:
-            self._writers.discard(writer)
-            for request_id in sink.open_request_ids:  # the client is gone: free what it left running
+            self._sinks.discard(sink)
+            for request_id in list(sink.open_request_ids):  # the client is gone: free what it left running
                 self.abort(request_id)
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
+            await sink.close()
 
 
 def _undo_ray_niceness() -> None:
