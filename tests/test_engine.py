@@ -144,8 +144,10 @@ def test_bad_prompts_are_rejected(make_engine) -> None:  # type: ignore[no-untyp
         engine.add_request([], GREEDY)
     with pytest.raises(InvalidRequestError, match="context length"):
         engine.add_request([5] * 64, GREEDY)
-    with pytest.raises(InvalidRequestError, match="token ids"):
-        engine.add_request([10**7], GREEDY)
+    for ids in ([10**7], [1, 2, -1], [3, engine.vocab_size, 4]):
+        with pytest.raises(InvalidRequestError, match="token ids"):
+            engine.add_request(ids, GREEDY)
+    engine.add_request([0, engine.vocab_size - 1], GREEDY)  # both ends are ids
     tiny = make_engine(kv_blocks=2, max_model_len=64)
     with pytest.raises(CacheCapacityError) as info:
         tiny.add_request([5] * 40, SamplingParams(max_tokens=100))  # 64 tokens = 4 blocks of 16 > 2
