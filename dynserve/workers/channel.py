@@ -133,7 +133,10 @@ class FrameWriter:
                 data = data[sent:]
             self._backlog.append(memoryview(data))
             if len(self._backlog) == 1:
-                self._loop.call_soon_threadsafe(self._watch)
+                try:
+                    self._loop.call_soon_threadsafe(self._watch)
+                except RuntimeError:  # the loop has closed: the worker is gone, and its connections with it
+                    self._closed = True
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Send what waits (up to `timeout_s`), then close this writer's descriptor. On the loop."""
