@@ -71,10 +71,9 @@ def test_a_peer_that_drops_the_connection_ends_streams_retryably() -> None:
     asyncio.run(scenario())
 
 
-def test_requests_go_out_at_once_and_the_aborts_of_one_pass_in_one_write_in_order() -> None:
-    """A stand-in peer (not a worker) that records the frames it reads: each request is written the moment
-    it is sent (the worker starts on it when it reads it), two aborts sent in one pass of the loop cost one
-    write at the end of it, and every frame arrives whole and in order."""
+def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> None:
+    """A stand-in peer (not a worker) that records the frames it reads: a burst of requests and an abort
+    sent together cost the gateway one socket write, and arrive whole and in order."""
 
     async def scenario() -> None:
         frames: list[bytes] = []
@@ -83,7 +82,7 @@ def test_requests_go_out_at_once_and_the_aborts_of_one_pass_in_one_write_in_orde
         async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             while (body := await read_frame(reader)) is not None:
                 frames.append(body)
-                if len(frames) == 5:
+                if len(frames) == 4:
                     got_all.set()
             writer.close()
             ended.set()
@@ -102,13 +101,10 @@ def test_requests_go_out_at_once_and_the_aborts_of_one_pass_in_one_write_in_orde
                    for i in range(3)]
         tasks = [asyncio.ensure_future(anext(stream)) for stream in streams]
         await asyncio.sleep(0)  # each stream sends its request and waits for its first delta
-        assert [w.count(b"r0") + 2 * w.count(b"r1") + 4 * w.count(b"r2") for w in writes] == [1, 2, 4]
-        connection.abort("r0")
         connection.abort("r1")
-        assert len(writes) == 3  # held to the end of this pass
         await asyncio.wait_for(got_all.wait(), 5)
-        assert len(writes) == 4 and writes[3].count(b"r0") == writes[3].count(b"r1") == 1
-        assert [f.count(b"r0") + 2 * f.count(b"r1") + 4 * f.count(b"r2") for f in frames] == [1, 2, 4, 1, 2]
+        assert len(writes) == 1 and b"".join(writes).count(b"r1") == 2
+        assert [f.count(b"r0") + 2 * f.count(b"r1") + 4 * f.count(b"r2") for f in frames] == [1, 2, 4, 2]
         for task in tasks:
             task.cancel()
         await connection.close()
