@@ -44,6 +44,13 @@ too, moves with it):
   req/s (CPU total 1.66-1.75 ms: gateway 0.80-0.86, mockers 0.26-0.30 each, event plane 0.12-0.14, client
   0.16-0.17), c1 0.72, 0.22, 0.08. The gateway, one process, now uses 0.85 of a core at 1,070 req/s: it is
   the next bound, ahead of the machine's two cores.
+- 2026-11-23, the worker's engine-thread writes (`FrameWriter`, used by the mockers from their loop):
+  full run at 6d4e1d3 in a slow phase (client 0.18 ms a request): 891 req/s, CPU total 1.87 ms, c1 1.16
+  (direct 2.25 and 2.12 ms, gateway 3.28 and 3.31). Quick runs interleaved with 3f8e63e: c1 0.54 and
+  1.02 against -0.05 and 0.43 (and 0.55, 0.97, 0.41, 0.45 against 0.65, 0.37, 0.67, 0.56 in four pairs
+  with requests also sent one by one); req/s 986 and 1,105 against 749 and 865. Sending each request at
+  once doubled the mockers' steps (see `WorkerConnection._send`), so requests still wait for the end of
+  the gateway's pass.
 
 Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
 - mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved

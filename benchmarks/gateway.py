@@ -48,6 +48,12 @@ What moves `ttft_p50_added_ms` here (2026-11-22, per-request timestamps in the g
   0.5-1.2 ms here, the work between them well under 0.1 ms.
 - Full runs at one commit (7e55a70..37c627a) gave 5.4, 6.4 and 7.2 ms, quick runs 4.7 to 10.5 ms; at
   37b4a7c full runs gave 4.79, 7.10 and 7.11 ms (way in 1.9-4.1, way out 2.1-2.9), quick runs 4.6 to 10.2.
+- Since ee96420 the engine thread writes each step's tokens to the connection itself (`FrameWriter`), so
+  the worker's loop no longer wakes for them: the way out fell to 1.3-1.8 ms (probe rounds 1.33-1.63
+  against 2.1-3.6 before; quick run 1.72 against 3.38 that morning). Full run at 6d4e1d3: 5.71 ms (way in
+  4.27, way out 1.82), `throughput_ratio` 1.0. The way in is now most of it: the burst's requests leave
+  the gateway together at the end of its loop pass (see `WorkerConnection._send` for why they are not sent
+  one by one).
 """
 
 from __future__ import annotations
