@@ -100,10 +100,11 @@ class FrameWriter:
 
     The engine thread writes a step's deltas itself the moment the step ends: handing them to the event loop
     first cost a wake-up of the loop's thread and a GIL hand-off, about 1 ms a step on this CPU at 16
-    requests in flight, while the send itself takes microseconds. A frame the socket cannot take whole waits, with every frame after it,
-    in a backlog that the loop sends when the socket is writable. The writer owns a duplicate of the
-    connection's descriptor (the loop watches it for writability apart from the stream reading the
-    original), so the connection ends only when both are closed: `close` after the stream's own close.
+    requests in flight, while the send itself takes microseconds. A frame the socket cannot take whole
+    waits, with every frame after it, in a backlog that the loop sends when the socket is writable. The
+    writer owns a duplicate of the connection's descriptor (the loop watches it for writability apart from
+    the stream reading the original), so the connection ends only when both are closed: `close` after the
+    stream's own close.
     """
 
     def __init__(self, sock: Any, loop: asyncio.AbstractEventLoop) -> None:
