@@ -103,8 +103,7 @@ class FrameWriter:
     requests in flight, while the send itself takes microseconds. A frame the socket cannot take whole
     waits, with every frame after it, in a backlog that the loop sends when the socket is writable. The
     writer owns a duplicate of the connection's descriptor (the loop watches it for writability apart from
-    the stream reading the original), so the connection ends only when both are closed: `close` after the
-    stream's own close.
+    the stream reading the original), so the connection ends only once both are closed, in either order.
     """
 
     def __init__(self, sock: Any, loop: asyncio.AbstractEventLoop) -> None:
