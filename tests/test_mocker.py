@@ -129,11 +129,14 @@ class _ListSink:
         self.deltas += deltas
         self.num_deliveries += 1
         if any(d.finished for d in deltas):
-            self.done.set()
+            self._end()
 
     def fail(self, error: Any) -> None:
         self.threads.add(threading.get_ident())
         self.errors.append(error)
+        self._end()
+
+    def _end(self) -> None:
         self.done.set()
 
 
@@ -210,24 +213,18 @@ def test_the_inline_loop_sends_a_fast_engines_tokens_together_and_a_slow_ones_st
             assert sink.num_deliveries == engine.stats.num_steps
 
 
-class _ThreadSafeListSink:
-    """Collects a request's deltas from any thread, as a worker's connection takes them."""
+class _ThreadSafeListSink(_ListSink):
+    """A `_ListSink` that takes deltas on any thread, as a worker's connection does: its end is a thread's
+    event (`finished`), not the loop's."""
 
     thread_safe = True
 
     def __init__(self) -> None:
-        self.deltas: list[Any] = []
-        self.threads: set[int] = set()
+        super().__init__()
         self.finished = threading.Event()
 
-    def deliver(self, deltas: list[Any]) -> None:
-        self.threads.add(threading.get_ident())
-        self.deltas += deltas
-        if any(d.finished for d in deltas):
-            self.finished.set()
-
-    def fail(self, error: Any) -> None:
-        raise AssertionError(error)
+    def _end(self) -> None:
+        self.finished.set()
 
 
 def test_the_threaded_loop_hands_a_thread_safe_sinks_tokens_over_on_the_engine_thread(
@@ -257,7 +254,7 @@ def test_the_threaded_loop_hands_a_thread_safe_sinks_tokens_over_on_the_engine_t
 
     on_loop, direct, engine_thread = asyncio.run(serve())
     assert not on_loop.errors and on_loop.threads == {threading.get_ident()}
-    assert direct.threads == {engine_thread} != on_loop.threads
+    assert not direct.errors and direct.threads == {engine_thread} != on_loop.threads
     tokens = [[t for d in sink.deltas for t in d.token_ids] for sink in (on_loop, direct)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 20
 

@@ -85,9 +85,12 @@ def test_completion_prompt_forms(tokenizer: Any) -> None:
                              ([ids, ids[:1]], [ids, ids[:1]])]:
         request = CompletionRequest.model_validate({"model": MODEL, "prompt": prompt, "max_tokens": 4})
         assert prepare_completion(request, tokenizer, 8192).prompts == expected
-    for prompt in ([], [10**6], ""):
+    for prompt in ([], [10**6], "", [-1], [1, tokenizer.vocab_size], [[1], [2, -3]]):
         with pytest.raises((InvalidRequestError, pydantic.ValidationError)):
             prepare_completion(CompletionRequest.model_validate({"model": MODEL, "prompt": prompt}), tokenizer, 8192)
+    both_ends = [0, tokenizer.vocab_size - 1]
+    request = CompletionRequest.model_validate({"model": MODEL, "prompt": both_ends, "max_tokens": 4})
+    assert prepare_completion(request, tokenizer, 8192).prompts == [both_ends]
 
 
 def test_context_length_error_code(tokenizer: Any) -> None:

@@ -42,7 +42,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from dynserve.errors import TokenizerError
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "ids_in_vocab"]
 
 _GGUF_TOKEN_TYPE_CONTROL = 3  # special tokens such as <|im_start|>: matched in text, skippable in decode
 _GGUF_TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are ordinary text: matched in text, always decoded
@@ -134,6 +134,12 @@ def _token_bytes_table(raw: tokenizers.Tokenizer, vocab_size: int) -> tuple[byte
         except KeyError:
             table.append(token.encode("utf-8"))
     return tuple(table)
+
+
+def ids_in_vocab(token_ids: list[int], vocab_size: int) -> bool:
+    """Every id in [0, vocab_size); `token_ids` is not empty. Two C loops (`min`, `max`): a per-id Python
+    check costs about 0.2 us an id, 100 us for a 500-token prompt."""
+    return min(token_ids) >= 0 and max(token_ids) < vocab_size
 
 
 def _whole_texts(token_bytes: tuple[bytes, ...]) -> tuple[str | None, ...]:

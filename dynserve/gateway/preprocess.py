@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynserve.engine.tokenizer import Tokenizer
+from dynserve.engine.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.errors import InvalidRequestError, TokenizerError
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from dynserve.protocol import SamplingParams
@@ -107,7 +107,7 @@ def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_mod
     for ids in prompts:
         if not ids:
             raise InvalidRequestError("prompt is empty", param="prompt")
-        if min(ids) < 0 or max(ids) >= vocab:  # two C loops: a per-id generator costs ~0.2 us an id
+        if not ids_in_vocab(ids, vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     longest = max(len(p) for p in prompts)
     # one parameter set for all prompts: a default max_tokens is what the longest prompt leaves of the context

@@ -8,7 +8,7 @@ Two drivers share the bookkeeping (`_Driver`: open requests, per-request timings
   threads talk to it through a command queue (`submit`, `abort`, `stop`), and the thread blocks on that
   queue when the engine is idle, so an idle worker costs no CPU. After every step the deltas are grouped
   by the `Sink` that owns each request. A thread-safe sink (a worker's connection) takes its group on the
-  engine thread at once, saving the loop's wake-up (about 1 ms a token here); the others' groups are
+  engine thread at once, saving the loop's wake-up (about 1 ms a step here); the others' groups are
   handed to the loop, and steps the loop has not taken yet go with the same wake-up (`_call`).
 - `InlineEngineLoop` steps the engine as a task on the asyncio loop itself, for engines whose steps cost
   microseconds of Python and never block (the mocker's: `step()` returns at once and `next_step_s` says
