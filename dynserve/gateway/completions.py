@@ -268,22 +268,26 @@ class _Run:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream(self) -> AsyncIterator[bytes]:
-        """SSE bytes, one piece per merged delta (its chunks written together); the last delta, the usage
-        chunk and `[DONE]` go out as one piece, so a short answer costs the fewest socket writes."""
+        """SSE bytes, one piece per merged delta (its chunks written together). A chat's role chunks go out
+        with the first delta, not before the request reaches its worker, and the last delta, the usage chunk
+        and `[DONE]` go out as one piece, so a short answer costs the fewest socket writes (each is a
+        syscall here and a wake-up of the client)."""
         builder = self.builder
+        # a chat stream opens with each choice's role chunk
+        head = b"".join(map(builder.role_chunk, range(len(self.choices)))) if self.kind == "chat" else b""
         tail = b""
         try:
-            if self.kind == "chat":
-                yield b"".join(builder.role_chunk(i) for i in range(len(self.requests)))
             async with contextlib.aclosing(self._deltas()) as deltas:
                 async for index, delta in deltas:
                     self._observe(index, delta)
                     usage = builder.usage(self.choices) if builder.continuous_usage else None
                     piece = b"".join(builder.delta_chunks(self.choices[index], delta, usage))
                     if all(c.finish_reason is not None for c in self.choices):
-                        tail = piece
+                        tail = head + piece
+                        head = b""
                     elif piece:
-                        yield piece
+                        yield head + piece
+                        head = b""
             if builder.include_usage:
                 tail += builder.usage_chunk(self.choices)
         except InvalidRequestError as exc:
@@ -292,7 +296,7 @@ class _Run:
             tail += _error_event(ApiError.unavailable(str(exc)))
         finally:
             self._release()
-        yield tail + DONE
+        yield head + tail + DONE
 
     async def collect(self) -> bytes:
         """The whole response body; raises InvalidRequestError / WorkerUnavailableError."""
