@@ -19,6 +19,8 @@ from pathlib import Path
 import gguf
 import pytest
 import regex
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dynserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from dynserve.errors import TokenizerError
@@ -442,3 +444,30 @@ def test_encode_by_cached_pieces_equals_encoding_the_whole_text(tokenizer: Token
     for text in texts * 2:  # the second round is answered from the piece cache
         whole = tokenizer._raw.encode(text, add_special_tokens=False).ids
         assert tokenizer.encode(text) == ([tokenizer.bos_token_id] if tokenizer.add_bos_token else []) + whole, text
+
+
+# --- the ASCII fast path ----------------------------------------------------------------------------------
+
+_ASCII_PIECES = [chr(i) for i in range(128)] + ["'s", "'ll", "'re", "  ", " 1", "ab", "\n\n", " \x1c", "\t "]
+_ASCII_TEXT = st.lists(st.sampled_from(_ASCII_PIECES), max_size=40).map("".join)
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_ASCII_TEXT)
+def test_ascii_text_encodes_as_the_library_does(tokenizer: Tokenizer, text: str) -> None:
+    assert tokenizer._ascii_words is not None  # the bundled model's tokenizer takes the fast path
+    assert tokenizer.encode(text) == tokenizer._raw.encode(text, add_special_tokens=False).ids
+
+
+def test_the_fast_path_declines_other_pre_tokenizers(tokenizer: Tokenizer) -> None:
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import pre_tokenizers
+
+    from dynserve.engine.tokenizer import _AsciiWords
+
+    raw = RawTokenizer.from_str(tokenizer._raw.to_str())
+    assert _AsciiWords.for_tokenizer(raw) is not None
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # no digit split
+    assert _AsciiWords.for_tokenizer(raw) is None
+    long_text = "".join(STRINGS[:40]).encode("ascii", "ignore").decode() * 70  # past the piece cache's limit
+    assert tokenizer.encode(long_text) == tokenizer._raw.encode(long_text, add_special_tokens=False).ids

@@ -237,6 +237,7 @@ class Tokenizer:
             token_id for token_id, added in raw.get_added_tokens_decoder().items() if added.special
         )
         self._added_split, self._added_ids = _added_token_splitter(raw)
+        self._ascii_words = _AsciiWords.for_tokenizer(raw) if self._added_split is not None else None
         self._encode_piece = functools.lru_cache(maxsize=_PIECE_CACHE_SIZE)(self._encode_uncached)
         for name, token_id in (("bos", self.bos_token_id), ("eos", self.eos_token_id)):
             if token_id is not None and not 0 <= token_id < self.vocab_size:
@@ -330,11 +331,17 @@ class Tokenizer:
             elif len(piece) <= _MAX_CACHED_PIECE_CHARS:
                 token_ids += encode_piece(piece)
             else:
-                token_ids += self._raw.encode(piece, add_special_tokens=False).ids
+                token_ids += self._encode_text(piece)
         return token_ids
 
     def _encode_uncached(self, piece: str) -> tuple[int, ...]:
-        return tuple(self._raw.encode(piece, add_special_tokens=False).ids)
+        return tuple(self._encode_text(piece))
+
+    def _encode_text(self, text: str) -> list[int]:
+        """Ids of text holding no added token: ASCII text through `_AsciiWords` where it applies."""
+        if self._ascii_words is not None and text.isascii():
+            return self._ascii_words.encode(text)
+        return self._raw.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; bytes that do not form valid UTF-8 become U+FFFD."""
@@ -384,6 +391,62 @@ class Tokenizer:
     def _compiled_chat_template(self) -> jinja2.Template:
         assert self.chat_template is not None
         return _compile_chat_template(self.chat_template)
+
+
+class _AsciiWords:
+    """ASCII text to ids 6-10x faster than `tokenizers` does it (a short prompt 6 us against 36, 5,000
+    characters 0.7 ms against 6.8), for the pre-tokenizer our GGUF tokenizers use (SmolLM's: each digit
+    apart, then GPT-2's byte-level pattern).
+
+    `tokenizers` spends most of an encode in that pattern (Oniguruma, with a look-ahead). On ASCII text the
+    pattern's Unicode classes are plain ASCII ranges, so Python's `re` splits the text the same way (the
+    two steps as one pattern: a digit ends a run of spaces as the end of the text would), and each piece
+    goes through the tokenizer's own BPE model, its ids cached by piece: words recur. Other text keeps the
+    library's path, since its Unicode tables and ours differ by version. `tests/test_tokenizer.py` checks
+    both against the library on random ASCII; `for_tokenizer` also checks a probe and declines on any
+    difference."""
+
+    _PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}
+    _SPACE = r"\t\n\v\f\r "  # Unicode's White_Space in ASCII (unlike str.isspace, not \x1c-\x1f)
+    _PIECES = re.compile(
+        rf"[0-9]|'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[^{_SPACE}A-Za-z0-9]+|[{_SPACE}]+(?![^{_SPACE}0-9])"
+        rf"|[{_SPACE}]+")
+    _PROBE = "Hi, it's 2025-11-23:\n\t  x  y 'll\x1c\x7f~ 12ab  3 "
+    _MAX_CACHED = 200_000
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        alphabet = _byte_level_alphabet()
+        self._to_byte_chars = str.maketrans({byte: char for char, byte in alphabet.items() if byte < 128})
+        self._ids: dict[str, list[int]] = {}
+
+    @classmethod
+    def for_tokenizer(cls, raw: tokenizers.Tokenizer) -> _AsciiWords | None:
+        config = json.loads(raw.to_str())
+        pre_tokenizer = config.get("pre_tokenizer") or {}
+        given = pre_tokenizer.get("pretokenizers") or []
+        wanted = cls._PRE_TOKENIZER["pretokenizers"]
+        steps = [{key: step.get(key) for key in want} for step, want in zip(given, wanted)]
+        if (config.get("normalizer") is not None or pre_tokenizer.get("type") != "Sequence"
+                or len(given) != len(wanted) or steps != wanted):
+            return None
+        words = cls(raw.model)
+        probe_ids = raw.encode(cls._PROBE, add_special_tokens=False).ids
+        return words if words.encode(cls._PROBE) == probe_ids else None
+
+    def encode(self, text: str) -> list[int]:
+        cached, token_ids = self._ids, []
+        for piece in self._PIECES.findall(text):
+            ids = cached.get(piece)
+            if ids is None:
+                if len(cached) >= self._MAX_CACHED:
+                    cached.clear()
+                byte_chars = piece.translate(self._to_byte_chars)
+                ids = cached[piece] = [token.id for token in self._model.tokenize(byte_chars)]
+            token_ids += ids
+        return token_ids
 
 
 def _added_token_splitter(raw: tokenizers.Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
