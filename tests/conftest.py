@@ -188,12 +188,15 @@ async def replay_event_plane() -> tuple[Any, list[str]]:
 
     plane = RayEventPlane()
     index, cursor = KVIndex(), "0"
-    while True:
-        batches, cursor = await plane.read(cursor, block_s=0.2)
-        if not batches:
-            return index, [w.worker_id for w in await plane.workers()]
-        for batch in batches:
-            assert index.apply(batch.worker_id, batch.events)
+    try:
+        while True:
+            batches, cursor = await plane.read(cursor, block_s=0.2)
+            if not batches:
+                return index, [w.worker_id for w in await plane.workers()]
+            for batch in batches:
+                assert index.apply(batch.worker_id, batch.events)
+    finally:
+        await plane.close()
 
 
 # ---- child processes: `dynctl serve` and standalone servers -----------------------------------------------

@@ -66,12 +66,12 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await workers.start()
-        consumers = []
+        consumers, planes = [], []
         for worker_set in sets:
             if worker_set.router is not None and worker_set.router.mode == "kv":
                 from dynserve.events.ray_plane import connect_event_plane
 
-                plane = connect_event_plane(settings.redis_url, settings.namespace)
+                planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace))
                 consumers.append(asyncio.create_task(worker_set.router.consume(plane, workers.snapshot),
                                                      name="kv-events"))
         try:
@@ -79,6 +79,8 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
         finally:
             for consumer in consumers:
                 consumer.cancel()
+            await asyncio.gather(*consumers, return_exceptions=True)
+            await asyncio.gather(*(plane.close() for plane in planes), return_exceptions=True)
             await workers.stop()
 
     api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=lifespan,

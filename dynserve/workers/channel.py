@@ -54,7 +54,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 _WORKER_FRAMES = msgspec.msgpack.Decoder(WorkerFrame)
 
 
-def encode_frame(message: ClientFrame | WorkerFrame) -> bytes:
+def encode_frame(message: msgspec.Struct) -> bytes:
     body = _ENCODER.encode(message)
     return _HEADER.pack(len(body)) + body
 

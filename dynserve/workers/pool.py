@@ -191,6 +191,7 @@ class WorkerPool:
         self.settings, self.role = settings, role
         self.policy = PoolPolicy(name, RestartPolicy.from_settings(settings), settings.pool_unresponsive_s)
         self._registry = registry
+        self._owns_registry = registry is None  # then `registry` connects on first use and `close` closes it
         self._handles: dict[str, Any] = {}
         self._monitor: asyncio.Task[None] | None = None
         self._resources: dict[str, float] | None = None
@@ -263,6 +264,8 @@ class WorkerPool:
             self._end(worker_id)
         self.policy.target = 0
         await asyncio.gather(*(self._deregister(w) for w in worker_ids))
+        if self._owns_registry and self._registry is not None:
+            await self._registry.close()
 
     # ---- the shell -------------------------------------------------------------------------------------
 
