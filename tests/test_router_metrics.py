@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dynserve.events.memory import MemoryEventPlane
-from dynserve.gateway.metrics import GatewayMetrics
+from dynserve.gateway.metrics import GatewayMetrics, observe_many
 from dynserve.hashing import hash_blocks
 from dynserve.protocol import BlockStored, KVSnapshot
 from dynserve.router.router import Router
@@ -108,3 +108,17 @@ def test_event_lag_is_measured_from_the_publish_time_on_the_batch() -> None:
         assert lag_sum_s is not None and 0 <= lag_sum_s <= 2 * elapsed_s
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("amount", [0.0, 0.0004, 0.001, 0.0031, 0.5, 7.0])
+def test_observe_many_exposes_what_as_many_observes_would(amount: float) -> None:
+    from prometheus_client import generate_latest
+
+    one_by_one, at_once = GatewayMetrics(), GatewayMetrics()
+    for _ in range(5):
+        one_by_one.endpoint("completions").itl.observe(amount)
+    observe_many(at_once.endpoint("completions").itl, amount, 5)
+    exposed = [[line for line in generate_latest(m.registry).decode().splitlines()
+                if line.startswith("dynserve_inter_token_latency_seconds") and "_created" not in line]
+               for m in (one_by_one, at_once)]
+    assert exposed[0] == exposed[1] and any(line.endswith(" 5.0") for line in exposed[0])

@@ -32,7 +32,7 @@ from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.errors import ApiError, validation_error
 from dynserve.gateway.http import Exchange
-from dynserve.gateway.metrics import GatewayMetrics
+from dynserve.gateway.metrics import GatewayMetrics, observe_many
 from dynserve.gateway.preprocess import Prepared, prepare_chat, prepare_completion
 from dynserve.gateway.responses import DONE, ChoiceState, ResponseBuilder, sse
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
@@ -115,7 +115,8 @@ class CompletionRoutes:
             status = error.status
             exchange.respond(error.status, error.body(), _JSON_HEADERS + error.raw_headers())
         finally:
-            self.state.metrics.requests.labels(endpoint, str(status)).inc()
+            metrics = self.state.metrics
+            metrics.child(metrics.requests, endpoint, str(status)).inc()
 
     def _start(self, kind: Kind, body: bytes) -> tuple[_Run, bool]:
         state = self.state
@@ -225,10 +226,7 @@ class _Run:
             self.series.ttft.observe(now - self.start_s)
         previous = self.last_token_s[index]
         if previous is not None and num_tokens:
-            gap_s = (now - previous) / num_tokens
-            itl = self.series.itl
-            for _ in range(num_tokens):
-                itl.observe(gap_s)
+            observe_many(self.series.itl, (now - previous) / num_tokens, num_tokens)
         self.last_token_s[index] = now
         self.state.metrics.generated_tokens.inc(num_tokens)
         self.choices[index].absorb(delta)
