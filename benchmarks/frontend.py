@@ -51,6 +51,15 @@ too, moves with it):
   with requests also sent one by one); req/s 986 and 1,105 against 749 and 865. Sending each request at
   once doubled the mockers' steps (see `WorkerConnection._send`), so requests still wait for the end of
   the gateway's pass.
+- 2026-11-23, later: the embedded event plane called over its own socket, not as Ray calls (its actor's
+  CPU 0.11-0.15 -> 0.02-0.05 ms a request), chat role chunks sent with the first token, ASCII prompts
+  tokenized without the library's regex, lighter per-request metrics. Full runs at d5deb60 in a fast
+  phase: 1,195, 1,251 and 1,579 req/s (CPU total 1.39, 1.30, 1.10 ms; in the last: gateway 0.55, mockers
+  0.22 and 0.21, event plane 0.02, client 0.10), c1 0.32, 0.08, 0.24 (direct 1.81-4.09 ms); interleaved
+  with 92832fe (before the metrics and validation changes): 1,144, 1,553, 1,038 req/s, c1 0.20, 0.00,
+  0.35. In a slow phase half an hour
+  before (client 0.13-0.18 ms a request): 1,064, 661, 879 and 625 req/s, c1 2.13, 3.67, 2.29, 1.54, with
+  the direct mocker's own p50 moving between 1.8 and 6.6 ms from one round to the next.
 
 Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
 - mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved

@@ -54,6 +54,17 @@ What moves `ttft_p50_added_ms` here (2026-11-22, per-request timestamps in the g
   4.27, way out 1.82), `throughput_ratio` 1.0. The way in is now most of it: the burst's requests leave
   the gateway together at the end of its loop pass (see `WorkerConnection._send` for why they are not sent
   one by one).
+- 2026-11-23, per-request timestamps (the gateway's channel writes against the worker's arrivals), full
+  run: in a burst the first request goes alone and the engine starts on it at once; the other 15 then
+  cost the gateway 0.4-0.5 ms each (their validation and preparation alone take 0.09 ms on an idle
+  machine), and went to the worker in one write 6.8-7.9 ms after the client sent them; in one burst the
+  worker's loop read them 2.8 ms after that write, its engine thread computing. Requests sent one at a
+  time while the engine decodes for the other 15 (the second half of a full run) reach the worker 0.2-4
+  ms after they were sent, most of it in the gateway (0.4-3.2 ms), and their first token reaches the
+  client 1.5-6 ms after the engine made it. So the p50 of a full run is set by requests arriving alone at
+  a busy machine, and both of its hops are CPU contention with the engine on this machine's two cores.
+  Full run at d5deb60: 5.29 ms (way in 1.67, way out 2.23); `throughput_ratio` 0.87 in a run whose
+  second rounds ran at 60% of the first (engine 54.8 then 33.2 tok/s, gateway 47.5 then 29.7).
 """
 
 from __future__ import annotations

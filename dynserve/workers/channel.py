@@ -252,7 +252,11 @@ class WorkerConnection:
         benchmark, where the engine starts computing on the first and slows the gateway's parsing of the
         rest), but a mocker at the frontend benchmark's speedup took twice the steps (4,000-5,900 against
         1,700-2,300 per 1,500 requests) for requests arriving one by one, and the machine 8-10% more CPU a
-        request. Holding requests for at most 0.3 or 1 ms of a longer pass did not win those back."""
+        request. Holding requests for at most 0.3 or 1 ms of a longer pass did not win those back. Nor did
+        writing a pass's frames once 1 KiB of them waited (a long prompt's frame at once, short ones held):
+        in the gateway benchmark's burst the engine, already computing the first request, slowed the gateway
+        to 0.4-1.6 ms a request, and the last of the burst reached the worker at 25 ms, against 6-8 ms when
+        the 15 requests after the first went in one write."""
         if self._closed_reason is not None or self._writer is None:
             raise WorkerUnavailableError(
                 f"worker {self.worker_id} is unavailable ({self._closed_reason})", worker_id=self.worker_id
