@@ -57,9 +57,9 @@ too, moves with it):
   phase: 1,195, 1,251 and 1,579 req/s (CPU total 1.39, 1.30, 1.10 ms; in the last: gateway 0.55, mockers
   0.22 and 0.21, event plane 0.02, client 0.10), c1 0.32, 0.08, 0.24 (direct 1.81-4.09 ms); interleaved
   with 92832fe (before the metrics and validation changes): 1,144, 1,553, 1,038 req/s, c1 0.20, 0.00,
-  0.35. In a slow phase half an hour
-  before (client 0.13-0.18 ms a request): 1,064, 661, 879 and 625 req/s, c1 2.13, 3.67, 2.29, 1.54, with
-  the direct mocker's own p50 moving between 1.8 and 6.6 ms from one round to the next.
+  0.35. In a slow phase half an hour before (client 0.13-0.18 ms a request): 1,064, 661, 879 and 625
+  req/s, c1 2.13, 3.67, 2.29, 1.54, with the direct mocker's own p50 moving between 1.8 and 6.6 ms from
+  one round to the next.
 
 Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
 - mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved
