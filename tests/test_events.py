@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -23,14 +23,30 @@ _prefixes = itertools.count()
 PlaneFactory = Callable[..., EventPlane]
 
 
-@pytest.fixture(params=["redis", "memory"])
-def make_plane(request: pytest.FixtureRequest) -> PlaneFactory:
-    """Build a plane inside the test's event loop: make_plane(max_len=...); each test gets its own keys."""
+@pytest.fixture(params=["redis", "memory", "embedded"])
+def make_plane(request: pytest.FixtureRequest) -> Iterator[PlaneFactory]:
+    """Build a plane inside the test's event loop: make_plane(max_len=...); each test gets its own keys
+    (on Redis) or its own actor (embedded: a namespace of its own, the actor killed after the test)."""
     if request.param == "memory":
-        return lambda **kw: MemoryEventPlane(**kw)
-    url = request.getfixturevalue("redis_url")
+        yield lambda **kw: MemoryEventPlane(**kw)
+        return
     prefix = f"test{next(_prefixes)}"
-    return lambda **kw: RedisEventPlane(url, prefix=prefix, **kw)
+    if request.param == "redis":
+        url = request.getfixturevalue("redis_url")
+        yield lambda **kw: RedisEventPlane(url, prefix=prefix, **kw)
+        return
+    ray = request.getfixturevalue("ray_instance")
+    from dynserve.events.ray_plane import RayEventPlane
+
+    planes: list[RayEventPlane] = []
+
+    def factory(**kw: Any) -> RayEventPlane:
+        planes.append(RayEventPlane(namespace=prefix, **kw))
+        return planes[-1]
+
+    yield factory
+    for plane in planes[:1]:  # one actor per namespace, whichever plane created it
+        ray.kill(plane._handle)
 
 
 def _info(worker_id: str) -> WorkerInfo:
@@ -158,3 +174,31 @@ def test_a_worker_actor_publishes_its_kv_events_and_registers(worker: Any, gatew
         assert time.monotonic() < deadline, "published events did not catch up with the snapshot"
     assert index.worker_blocks("w0") == set(hashes) and len(hashes) >= 8  # the shared ~120-token system prompt
     assert "w0" in registered  # beside mockers of other tests, when they ran first on the same default plane
+
+
+def test_the_embedded_plane_reconnects_after_its_connection_drops(ray_instance: Any) -> None:
+    from dynserve.events.ray_plane import RayEventPlane
+
+    async def scenario() -> None:
+        plane = RayEventPlane(namespace=f"test{next(_prefixes)}")
+        await plane.publish("a", [BlockStored(0, None, [1])])
+        connection = plane._connections[asyncio.get_running_loop()]
+        connection._writer.transport.abort()  # the socket drops under the client
+        await asyncio.sleep(0.05)
+        assert not connection.is_open
+        await plane.publish("a", [BlockStored(1, 1, [2])])  # on a new connection
+        batches, _ = await plane.read("0", block_s=0.1)
+        assert [b.events[0].event_id for b in batches] == [0, 1]
+        await plane.close()
+        ray_instance.kill(plane._handle)  # returns before the actor is gone
+        deadline_s = time.monotonic() + 10
+        while True:  # once it is, a client cannot connect and says so
+            try:
+                await RayEventPlane(handle=plane._handle).workers()
+            except ConnectionError as exc:
+                assert "unreachable" in str(exc)
+                break
+            assert time.monotonic() < deadline_s, "a killed plane actor still answers"
+            await asyncio.sleep(0.05)
+
+    asyncio.run(scenario())

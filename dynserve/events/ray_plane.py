@@ -212,31 +212,36 @@ class _PlaneConnection:
 
 class RayEventPlane(EventPlane):
     """Client of the namespace's shared `EventPlaneActor` (created on first use, found by name afterwards),
-    over one connection to its socket, opened on first use and again after it drops (or when used from
-    another event loop)."""
+    over a connection to its socket per event loop it is used from, opened on first use there and again
+    after it drops."""
 
-    def __init__(self, handle: Any | None = None, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+    def __init__(self, handle: Any | None = None, *, namespace: str = DEFAULT_NAMESPACE,
+                 max_len: int = 100_000) -> None:
+        """`max_len`: the batches the actor keeps, when this call creates it."""
         import ray
 
         name = ACTOR_NAME if namespace == DEFAULT_NAMESPACE else f"{ACTOR_NAME}-{namespace}"
         self._handle = handle or ray.remote(EventPlaneActor).options(
             name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
             max_concurrency=1000,
-        ).remote()
-        self._connection: _PlaneConnection | None = None
-        self._opening: asyncio.Lock | None = None
+        ).remote(max_len=max_len)
+        # by loop: a connection's reader task and futures belong to the loop that opened it
+        self._connections: dict[asyncio.AbstractEventLoop, _PlaneConnection] = {}
+        self._opening: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._last_events_s = 0.0
 
     async def _call(self, method: str, *args: Any) -> bytes:
         loop = asyncio.get_running_loop()
-        connection = self._connection
-        if connection is None or not connection.is_open or connection.loop is not loop:
-            if self._opening is None or connection is None or connection.loop is not loop:
-                self._opening = asyncio.Lock()
-            async with self._opening:
-                connection = self._connection
-                if connection is None or not connection.is_open or connection.loop is not loop:
-                    connection = self._connection = await _PlaneConnection.open(self._handle)
+        connection = self._connections.get(loop)
+        if connection is None or not connection.is_open:
+            for ended in [other for other in self._opening if other.is_closed()]:  # loops that finished
+                self._opening.pop(ended)
+                self._connections.pop(ended, None)
+            opening = self._opening.setdefault(loop, asyncio.Lock())
+            async with opening:
+                connection = self._connections.get(loop)
+                if connection is None or not connection.is_open:
+                    connection = self._connections[loop] = await _PlaneConnection.open(self._handle)
         return await connection.call(method, *args)
 
     async def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
@@ -265,8 +270,9 @@ class RayEventPlane(EventPlane):
         return _WORKERS_RESULT.decode(await self._call("workers"))
 
     async def close(self) -> None:
-        connection, self._connection = self._connection, None
-        if connection is not None and connection.loop is asyncio.get_running_loop():
+        """Close this loop's connection (another loop's ends with its tasks, when that loop finishes)."""
+        connection = self._connections.pop(asyncio.get_running_loop(), None)
+        if connection is not None:
             await connection.close()
 
 
