@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,7 +37,7 @@ from dynserve.errors import ChannelError
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
 from dynserve.protocol import KVEvent, WorkerInfo
-from dynserve.workers.channel import encode_frame, read_frame
+from dynserve.workers.channel import encode_frame, no_delay, read_frame
 
 __all__ = ["ACTOR_NAME", "DEFAULT_NAMESPACE", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
 
@@ -61,7 +60,7 @@ class _Call(msgspec.Struct, array_like=True):
 class _Reply(msgspec.Struct, array_like=True):
     call_id: int
     error: str | None
-    result: msgspec.Raw  # the method's result (`_RESULTS`); nil when `error` is set
+    result: msgspec.Raw  # the method's result (the caller decodes it); nil when `error` is set
 
 
 _CALLS = msgspec.msgpack.Decoder(_Call)
@@ -100,7 +99,7 @@ class EventPlaneActor:
         return self._address
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        _no_delay(writer)
+        no_delay(writer)
         reads: set[asyncio.Task[None]] = set()
         try:
             while (body := await read_frame(reader)) is not None:
@@ -119,9 +118,11 @@ class EventPlaneActor:
             writer.close()
 
     async def _answer(self, call: _Call) -> _Reply:
-        plane = self._plane
+        plane, decoder = self._plane, _ARGS.get(call.method)
+        if decoder is None or call.method == "read":
+            return _Reply(call.call_id, f"unknown event-plane method {call.method!r}", _NIL)
         try:
-            args = _ARGS[call.method].decode(call.args)
+            args = decoder.decode(call.args)
             if call.method == "publish":
                 await plane.publish(*args)
             elif call.method == "register":
@@ -130,8 +131,6 @@ class EventPlaneActor:
                 await plane.deregister(*args)
             else:
                 return _Reply(call.call_id, None, msgspec.Raw(_ENCODER.encode(await plane.workers())))
-        except KeyError:
-            return _Reply(call.call_id, f"unknown event-plane method {call.method!r}", _NIL)
         except (msgspec.DecodeError, ValueError) as exc:
             return _Reply(call.call_id, f"bad {call.method} call: {exc}", _NIL)
         return _Reply(call.call_id, None, _NIL)
@@ -167,7 +166,7 @@ class _PlaneConnection:
             reader, writer = await asyncio.open_connection(host, port)
         except Exception as exc:  # a dead actor (Ray's errors) or a refused connection
             raise ConnectionError(f"the embedded event plane is unreachable: {exc}") from exc
-        _no_delay(writer)
+        no_delay(writer)
         return cls(reader, writer)
 
     async def call(self, method: str, *args: Any) -> bytes:
@@ -275,12 +274,6 @@ class RayEventPlane(EventPlane):
         if connection is not None:
             await connection.close()
 
-
-def _no_delay(writer: asyncio.StreamWriter) -> None:
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def connect_event_plane(redis_url: str | None, namespace: str = DEFAULT_NAMESPACE) -> EventPlane:

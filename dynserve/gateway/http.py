@@ -15,9 +15,7 @@ connection is lost; a handler that raises before answering gets a 500 written fo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import socket
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,6 +23,7 @@ from typing import Any
 import httptools
 
 from dynserve.gateway.errors import error_body
+from dynserve.workers.channel import no_delay
 
 __all__ = ["AsgiHandler", "Exchange", "Handler", "HttpServer"]
 
@@ -116,10 +115,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        no_delay(transport)
         self.server.connections.add(self)
         self._arm_idle()
 
