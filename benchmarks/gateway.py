@@ -63,8 +63,10 @@ What moves `ttft_p50_added_ms` here (2026-11-22, per-request timestamps in the g
   ms after they were sent, most of it in the gateway (0.4-3.2 ms), and their first token reaches the
   client 1.5-6 ms after the engine made it. So the p50 of a full run is set by requests arriving alone at
   a busy machine, and both of its hops are CPU contention with the engine on this machine's two cores.
-  Full run at d5deb60: 5.29 ms (way in 1.67, way out 2.23); `throughput_ratio` 0.87 in a run whose
-  second rounds ran at 60% of the first (engine 54.8 then 33.2 tok/s, gateway 47.5 then 29.7).
+  Full runs: at d5deb60 5.29 ms (way in 1.67, way out 2.23; `throughput_ratio` 0.87 in a run whose
+  second rounds ran at 60% of the first: engine 54.8 then 33.2 tok/s, gateway 47.5 then 29.7) and 6.51
+  (way in 4.87); at 695295d, in a fast phase of this VM, 4.49 (way in 2.26, way out 1.77, ratio 1.07)
+  and 4.15 (1.38, 1.67, ratio 0.92). Quick runs that hour: 3.38 to 4.83.
 """
 
 from __future__ import annotations
