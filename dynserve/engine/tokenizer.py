@@ -403,8 +403,8 @@ class _AsciiWords:
     two steps as one pattern: a digit ends a run of spaces as the end of the text would), and each piece
     goes through the tokenizer's own BPE model, its ids cached by piece: words recur. Other text keeps the
     library's path, since its Unicode tables and ours differ by version. `tests/test_tokenizer.py` checks
-    both against the library on random ASCII; `for_tokenizer` also checks a probe and declines on any
-    difference."""
+    this path against the library on random ASCII; `for_tokenizer` also checks a probe and declines on
+    any difference."""
 
     _PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": True},
