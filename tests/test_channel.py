@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import struct
 from typing import Any
 
 import pytest
+import uvloop
 
 from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
 from dynserve.protocol import GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, WorkerInfo
@@ -69,6 +71,37 @@ def test_a_peer_that_drops_the_connection_ends_streams_retryably() -> None:
         server.close()
 
     asyncio.run(scenario())
+
+
+def _no_delay_flag(writer: asyncio.StreamWriter) -> int:
+    return writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_both_ends_of_a_channel_send_without_nagle(loop: str) -> None:
+    """Neither the channel, the event plane nor the HTTP server sets TCP_NODELAY: the loops do it on every
+    TCP stream, which this checks on both ends, so a frame never waits for the peer's ACK."""
+
+    async def scenario() -> list[int]:
+        accepted: list[int] = []
+        ended = asyncio.Event()
+
+        async def note(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.append(_no_delay_flag(writer))
+            await read_frame(reader)
+            writer.close()
+            ended.set()
+
+        server, connection = await _connect_to_stand_in(note)
+        assert connection._writer is not None
+        flags = [_no_delay_flag(connection._writer)]
+        await connection.close()
+        await asyncio.wait_for(ended.wait(), 5)
+        server.close()
+        return flags + accepted
+
+    flags = uvloop.run(scenario()) if loop == "uvloop" else asyncio.run(scenario())
+    assert len(flags) == 2 and all(flags)
 
 
 def test_frames_sent_in_one_pass_of_the_loop_go_out_in_one_write_in_order() -> None:

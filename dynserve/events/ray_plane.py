@@ -37,7 +37,7 @@ from dynserve.errors import ChannelError
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
 from dynserve.protocol import KVEvent, WorkerInfo
-from dynserve.workers.channel import encode_frame, no_delay, read_frame
+from dynserve.workers.channel import encode_frame, read_frame
 
 __all__ = ["ACTOR_NAME", "DEFAULT_NAMESPACE", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
 
@@ -99,7 +99,6 @@ class EventPlaneActor:
         return self._address
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        no_delay(writer)
         reads: set[asyncio.Task[None]] = set()
         try:
             while (body := await read_frame(reader)) is not None:
@@ -166,7 +165,6 @@ class _PlaneConnection:
             reader, writer = await asyncio.open_connection(host, port)
         except Exception as exc:  # a dead actor (Ray's errors) or a refused connection
             raise ConnectionError(f"the embedded event plane is unreachable: {exc}") from exc
-        no_delay(writer)
         return cls(reader, writer)
 
     async def call(self, method: str, *args: Any) -> bytes:

@@ -23,7 +23,6 @@ from typing import Any
 import httptools
 
 from dynserve.gateway.errors import error_body
-from dynserve.workers.channel import no_delay
 
 __all__ = ["AsgiHandler", "Exchange", "Handler", "HttpServer"]
 
@@ -114,8 +113,7 @@ class _Connection(asyncio.Protocol):
     # ---- transport callbacks -----------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        no_delay(transport)
+        self.transport = transport  # type: ignore[assignment]  # (uvloop has already turned Nagle off)
         self.server.connections.add(self)
         self._arm_idle()
 

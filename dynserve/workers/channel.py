@@ -44,8 +44,7 @@ from dynserve.protocol import (
     WorkerLoad,
 )
 
-__all__ = ["MAX_FRAME_BYTES", "FrameWriter", "WorkerConnection", "encode_frame", "merge_deltas", "no_delay",
-           "read_frame"]
+__all__ = ["MAX_FRAME_BYTES", "FrameWriter", "WorkerConnection", "encode_frame", "merge_deltas", "read_frame"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,14 +74,6 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
         return await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
         raise ChannelError("connection closed inside a frame") from exc
-
-
-def no_delay(stream: asyncio.StreamWriter | asyncio.BaseTransport) -> None:
-    """Turn Nagle's algorithm off on a stream's socket: frames are written whole and should leave at once."""
-    sock = stream.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
@@ -237,8 +228,7 @@ class WorkerConnection:
                 f"cannot connect to worker {self.worker_id} at {self.info.host}:{self.info.port}: {exc}",
                 worker_id=self.worker_id,
             ) from exc
-        no_delay(self._writer)
-        self._closed_reason = None
+        self._closed_reason = None  # (asyncio and uvloop turn Nagle off on every TCP stream themselves)
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"channel-{self.worker_id}")
 
     async def close(self) -> None:
