@@ -346,7 +346,7 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; bytes that do not form valid UTF-8 become U+FFFD."""
         token_ids = list(token_ids)
-        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < self.vocab_size:
+        if token_ids and not ids_in_vocab(token_ids, self.vocab_size):
             bad = next(i for i in token_ids if not 0 <= i < self.vocab_size)
             raise TokenizerError(f"token id {bad} is outside the vocabulary of {self.vocab_size}")
         return self._raw.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -424,13 +424,14 @@ class _AsciiWords:
 
     @classmethod
     def for_tokenizer(cls, raw: tokenizers.Tokenizer) -> _AsciiWords | None:
-        config = json.loads(raw.to_str())
-        pre_tokenizer = config.get("pre_tokenizer") or {}
+        if raw.normalizer is not None or raw.pre_tokenizer is None:
+            return None
+        # the pre-tokenizer's own JSON (its pickled state): the whole tokenizer's (`to_str`) costs 125 ms
+        pre_tokenizer = json.loads(raw.pre_tokenizer.__getstate__())
         given = pre_tokenizer.get("pretokenizers") or []
         wanted = cls._PRE_TOKENIZER["pretokenizers"]
         steps = [{key: step.get(key) for key in want} for step, want in zip(given, wanted)]
-        if (config.get("normalizer") is not None or pre_tokenizer.get("type") != "Sequence"
-                or len(given) != len(wanted) or steps != wanted):
+        if pre_tokenizer.get("type") != "Sequence" or len(given) != len(wanted) or steps != wanted:
             return None
         words = cls(raw.model)
         probe_ids = raw.encode(cls._PROBE, add_special_tokens=False).ids
