@@ -136,7 +136,7 @@ def start_redis(log_dir: Path) -> tuple[Service, str]:
 
 def start_mockers(num_mockers: int, *, profile: str, speedup: float, redis_url: str, namespace: str,
                   log_dir: Path, timeout_s: float = 120) -> list[Service]:
-    """`num_mockers` standalone mockers (`python -m dynserve.workers.mocker`), each an OpenAI server on its
+    """`num_mockers` standalone mockers (`python -m dynserve.cli.mocker`), each an OpenAI server on its
     own port that also registers in `namespace` on Redis and publishes its KV events there; returns once
     every one answers /health."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
@@ -144,7 +144,7 @@ def start_mockers(num_mockers: int, *, profile: str, speedup: float, redis_url: 
     try:
         for i in range(num_mockers):
             port = free_port()
-            argv = [sys.executable, "-m", "dynserve.workers.mocker", "--profile", profile,
+            argv = [sys.executable, "-m", "dynserve.cli.mocker", "--profile", profile,
                     "--speedup", str(speedup), "--http-port", str(port), "--redis-url", redis_url,
                     "--namespace", namespace]
             services.append(_spawn(f"{namespace}-mocker{i}", argv, log_dir, port, env))

@@ -22,6 +22,7 @@ on a quiet 2-core CPU: the same length distributions but 8 requests (one static 
 static, and the first 2 of them for HF sequential (its tok/s is a rate; a subset estimates it). With only
 8 requests in flight dynserve batches less, so quick ratios understate the full run's.
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/engine-<timestamp>.json`.
+Record a run in `docs/benchmarks.md` (engine), which keeps the history.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from typing import Any
 import torch
 
 from benchmarks._common import best_time_s, git_commit, log, machine_info, percentile, write_result
-from dynserve.config import Settings, torch_dtype
-from dynserve.engine.llm_engine import LLMEngine
-from dynserve.engine.loader import default_model_path
+from dynserve.config import Settings
+from dynserve.engine.llm_engine import LLMEngine, torch_dtype
+from dynserve.model.resolve import default_model_path
 from dynserve.protocol import SamplingParams
 
 NUM_SPECIAL_IDS = 17  # SmolLM2's special tokens are ids 0..16; prompts avoid them

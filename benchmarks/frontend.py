@@ -13,7 +13,7 @@ HTTP, validation, chat template, tokenization, routing, the worker channel, deto
    `total`, which, unlike wall time, other load on the machine barely moves. On 2 cores the total bounds
    the rate: 2,000 ms / total.
 2. **c1**: 500 requests one after another through the same gateway, and 500 straight to one standalone
-   mocker server (`python -m dynserve.workers.mocker --http-port`, the same mocker behind the same HTTP
+   mocker server (`python -m dynserve.cli.mocker --http-port`, the same mocker behind the same HTTP
    code in one process). `added_p50_ms_c1` is the difference of the two p50 latencies: what the gateway
    hop and the router add.
 
@@ -22,57 +22,12 @@ streamed response by its chunk framing only (the first few responses of each pha
 and checked: 16 tokens, a usage chunk, `[DONE]`), so its own CPU, which shares this machine's two cores,
 stays small. The last stdout line is the JSON result; a copy goes to `benchmarks/results/`.
 
-Measured here after the inline loop began coalescing a fast engine's tokens (2026-11-22, full runs; this
-VM runs in a fast and a slow phase a few minutes long, and every process's CPU per request, the client's
-too, moves with it):
-- 2 mockers at speedup 1000 step every 0.1-0.2 ms with 2-3 sequences (5,000-7,000 steps per 1,000
-  requests): one frame per step cost the worker's write, the gateway's read and wake-ups and the
-  client's writes per step. With the tokens of up to 0.5 ms of steps sent together (and the engine's
-  per-token work cut to 0.68x): 1,048, 1,374, 1,200 req/s against 1,012, 998, 990 at the commit before,
-  interleaved (1 ms window); 0.5 ms window: 981, 880, 764 (slow phase, CPU total 2.0-2.5 ms), 828 and
-  1,400 (total 2.33 and 1.41 ms).
-- `added_p50_ms_c1` rose with it: the single-process mocker, which read every frame on the loop that
-  also steps its engine, got faster (p50 3.0 to 1.7-2.0 ms) more than the gateway's path (3.0 to 1.8-3.4
-  ms), whose two extra wake-ups it now pays alone: 0.12 to 1.22 ms (0.12 in the fast-phase run, 0.48
-  to 1.22 in slow ones), against -0.51 to 0.19 before.
-- With the gateway's frames to a worker written once per pass of its loop (dae4e93), three full runs:
-  1,290, 1,296 and 1,194 req/s (p50 24.7, 23.4, 27.0 ms; CPU total 1.44, 1.39, 1.53 ms: gateway
-  0.61-0.70, mockers 0.24-0.28 each, event plane 0.14-0.16, client 0.12-0.14), `added_p50_ms_c1` 0.06,
-  0.07 and 0.33 (direct 1.71-1.79 ms, gateway 1.77-2.27). Three more, in a slow phase (the client's
-  CPU 0.15-0.17 ms a request against 0.12-0.14): 986, 1,070, 1,197 req/s, c1 0.72, 0.39, -0.03.
-- KV events published at most every 50 ms (1f9cf28), three full runs in a slow phase: 1,073, 1,058, 964
-  req/s (CPU total 1.66-1.75 ms: gateway 0.80-0.86, mockers 0.26-0.30 each, event plane 0.12-0.14, client
-  0.16-0.17), c1 0.72, 0.22, 0.08. The gateway, one process, now uses 0.85 of a core at 1,070 req/s: it is
-  the next bound, ahead of the machine's two cores.
-- 2026-11-23, the worker's engine-thread writes (`FrameWriter`, used by the mockers from their loop):
-  full run at 6d4e1d3 in a slow phase (client 0.18 ms a request): 891 req/s, CPU total 1.87 ms, c1 1.16
-  (direct 2.25 and 2.12 ms, gateway 3.28 and 3.31). Quick runs interleaved with 3f8e63e: c1 0.54 and
-  1.02 against -0.05 and 0.43 (and 0.55, 0.97, 0.41, 0.45 against 0.65, 0.37, 0.67, 0.56 in four pairs
-  with requests also sent one by one); req/s 986 and 1,105 against 749 and 865. Sending each request at
-  once doubled the mockers' steps (see `WorkerConnection._send`), so requests still wait for the end of
-  the gateway's pass.
-- 2026-11-23, later: the embedded event plane called over its own socket, not as Ray calls (its actor's
-  CPU 0.11-0.15 -> 0.02-0.05 ms a request), chat role chunks sent with the first token, ASCII prompts
-  tokenized without the library's regex, lighter per-request metrics. Full runs at d5deb60 in a fast
-  phase: 1,195, 1,251 and 1,579 req/s (CPU total 1.39, 1.30, 1.10 ms; in the last: gateway 0.55, mockers
-  0.22 and 0.21, event plane 0.02, client 0.10), c1 0.32, 0.08, 0.24 (direct 1.81-4.09 ms); interleaved
-  with 92832fe (before the metrics and validation changes): 1,144, 1,553, 1,038 req/s, c1 0.20, 0.00,
-  0.35. In a slow phase half an hour before (client 0.13-0.18 ms a request): 1,064, 661, 879 and 625
-  req/s, c1 2.13, 3.67, 2.29, 1.54, with the direct mocker's own p50 moving between 1.8 and 6.6 ms from
-  one round to the next. At 695295d (fast phase): 1,294 and 1,349 req/s (CPU total 1.32, 1.25 ms), c1
-  -0.07 and 0.00.
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.frontend [--quick]
 
-Measured here earlier (2026-11-22, `--quick`, a slow day on this VM: steal and load from the host):
-- mockers stepping on their event loop (`InlineEngineLoop`) against their own engine thread, 4 interleaved
-  pairs: 594-670 req/s (mean 641) against 458-732 (mean 593); a mocker's CPU 0.57-0.76 ms per request
-  against 0.64-0.96; `added_p50_ms_c1` 0.10-1.27 (mean 0.70) against 0.94-1.87 (mean 1.43);
-- one run: 576 req/s, CPU ms per request gateway 1.28, mockers 0.84 + 0.71, event plane 0.32, client 0.25,
-  total 3.40, so 2,000 / 3.40 = 588 req/s is all two cores can do. 1,100 req/s needs a total under about
-  1.8 ms; the gateway alone is 1.1-1.3 ms today (0.75-0.8 ms on a quiet day), two thirds of it Python per
-  request (validation, chat template, tokenizer, routing, SSE) and the rest socket writes;
-- a full run (af6076b): 646 req/s at c32 (p50 48 ms), CPU total 2.94 ms per request (gateway 1.20);
-  `added_p50_ms_c1` 0.43 (direct 3.97 and 4.45 ms, gateway 4.52 and 4.40 in the two interleaved rounds:
-  the rounds differ by as much as the gateway adds).
+This VM's speed swings by about ±30% between phases a few minutes long, and req/s and every process's CPU
+per request, the client's too, move with it: compare runs by the median of 3, and `added_p50_ms_c1` only
+against the direct mocker of the same run. At c32 the gateway, one process and so at most one core, is the
+bound ahead of the machine's two cores. The measurements and their history: `docs/benchmarks.md`.
 """
 
 from __future__ import annotations
@@ -202,7 +157,7 @@ def _gateway_process(settings_json: str, infos_bytes: bytes, ray_address: str, p
 
 def _start_standalone_mocker(port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "DYN_MOCKER_SPEEDUP": str(SPEEDUP)}
-    process = subprocess.Popen([sys.executable, "-m", "dynserve.workers.mocker", "--profile", "cpu",
+    process = subprocess.Popen([sys.executable, "-m", "dynserve.cli.mocker", "--profile", "cpu",
                                 "--http-port", str(port)], env=env, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

@@ -8,7 +8,7 @@ between turns. The workload is written in real seconds and compressed by the moc
 would load the real ones.
 
 The same workload is played three times, each time against 8 fresh mockers with the cpu profile (empty
-caches; `python -m dynserve.workers.mocker`: an OpenAI server each, registered in Redis, publishing KV
+caches; `python -m dynserve.cli.mocker`: an OpenAI server each, registered in Redis, publishing KV
 events):
 
 1. **kv**: dynserve's gateway (own process, as `dynctl serve` runs it) following the mockers through the
@@ -29,26 +29,20 @@ The load generator is this process. The last stdout line is the JSON result; a c
 `benchmarks/results/routing-<timestamp>.json`. `--quick` (about 95 s on a quiet machine; the full run about
 175 s) plays 16 conversations of 5 turns instead of 48 of 6.
 
-Measured here (2 cores, load average about 2; TTFT p50 ms (p90), cache hit, history hit), quick:
-
-    overlap weight 4, hot-spot guard 1.5 / 256 blocks:  kv 66 (512), 0.72, 0.72   sglang 64 (97), 0.91, 1.00
-    guard 2.0 / 1024 blocks, weight 4:                  kv 62 (128), 0.89, 0.97   rr 275 (562), 0.44, 0.13
-    guard 2.0 / 1024 blocks, weight 8 (the defaults):   kv 62 (94),  0.91, 1.00   sglang 65 (99), 0.91, 1.00
-
-Full runs against quick ones (2026-11-22, mockers stepping on their event loop): the full run loads the
-workers enough for placement to matter: kv 77 ms (p90 116), sglang 88 (136), rr 277; cache hit 0.92, 0.94,
-0.55; `ttft_ratio_rr_over_kv` 3.59, `ttft_ratio_sglang_over_kv` 1.14. The quick run's load is too light:
-both policies keep each conversation on its worker and TTFT is the prefill itself, so kv and sglang tie
-(62.5 against 62.8 ms, ratio 1.005; quick runs since 86e91fc gave 0.97-1.005).
+The full run loads the workers enough for placement to matter. The quick run's load is too light: both kv
+and sglang keep each conversation on its worker and TTFT is the prefill itself, so the two tie there.
 
 A request in flight counts all its KV in the load term (about 100 blocks for a 1,500-token chat), while a
-follow-up turn saves only its history since the system prompt (12-60 blocks): at weight 1 the router left a
-conversation's worker whenever that worker had one request more in flight than another (history hit 0.41),
-and the old hot-spot guard (max over mean active blocks above 1.5 with 256 blocks) fired with three
-requests on one worker of eight. sglang's cache_aware policy never balances at these loads (its threshold
-is 64 requests of difference): it keeps every conversation, and every system prompt, on one worker, so
-half the workers sit idle; TTFT does not suffer at this load, decode does (e2e p50 2.9 s against 2.6 s for
-kv at weight 8).
+follow-up turn saves only its history since the system prompt (12-60 blocks): at overlap weight 1 the
+router left a conversation's worker whenever that worker had one request more in flight than another, and
+a hot-spot guard that fires on a few requests' imbalance moves follow-up turns off their history (hence
+the defaults, `Settings.overlap_weight` and `router_hot_spot_*`). sglang's cache_aware policy never
+balances at these loads (its threshold is 64 requests of difference): it keeps every conversation, and
+every system prompt, on one worker, so half the workers sit idle; TTFT does not suffer at this load,
+decode does.
+
+The measurements (TTFT p50 and p90, cache hit, history hit, by router and setting) and their history:
+`docs/benchmarks.md` (routing).
 """
 
 from __future__ import annotations

@@ -5,15 +5,12 @@ Defaults are what a new user on a laptop needs: the bundled SmolLM2 model, fp32 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["Settings", "torch_dtype"]
+__all__ = ["DType", "Settings"]
 
 DType = Literal["float32", "bfloat16", "float16"]
 _GATEWAY: dict[str, Any] = {"group": "gateway"}
@@ -76,16 +73,16 @@ class Settings(BaseSettings):
         "approximate: from where it sent earlier prompts) and load, or a baseline",
         json_schema_extra=_CLUSTER)
     # A block to prefill costs the new request far more time than a block another request holds while it
-    # decodes. benchmarks.routing (multi-turn chats on 8 mockers): at 1, follow-up turns went back to the
-    # worker holding their history 41% of the time; at 4, 72%; at 8 (with the hot-spot guard below), 100%,
-    # TTFT p50 62 ms (p90 94) against round robin's 275 (562) and sglang-router cache_aware's 65 (99).
+    # decodes: at 1 the load term wins and follow-up turns leave the worker holding their history (in
+    # benchmarks.routing, multi-turn chats on 8 mockers, they went back to it 41% of the time at 1 and
+    # every time at 8 with the hot-spot guard below; the runs: docs/benchmarks.md).
     overlap_weight: float = Field(8.0, ge=0, description="kv router: weight of blocks to prefill against load "
                                   "(blocks in flight)", json_schema_extra=_CLUSTER)
     router_temperature: float = Field(0.0, ge=0, description="kv router: 0 picks the cheapest worker, more "
                                       "samples among near-equal ones", json_schema_extra=_CLUSTER)
     # The guard is for a popular prefix piling up on one worker, not for the imbalance a few requests make:
-    # at 1.5 and 256 blocks it fired with 3 requests on a worker of 8 (10 in flight) and moved 28% of the
-    # follow-up turns off the worker holding their history (benchmarks.routing: TTFT p90 512 ms -> 94 ms).
+    # at 1.5 and 256 blocks it fired with 3 requests on a worker of 8 (10 in flight) and moved follow-up
+    # turns off the worker holding their history (benchmarks.routing; the runs: docs/benchmarks.md).
     router_hot_spot_ratio: float = Field(
         2.0, gt=1, description="kv/approximate router: when the busiest candidate has more than this times "
         "the mean active blocks (and at least router_hot_spot_min_blocks), pick the least loaded whatever it "
@@ -164,25 +161,8 @@ class Settings(BaseSettings):
     transfer_port: int = Field(0, ge=0, le=65535, description="tcp: the port it serves them on (0: any free "
                                "port)", json_schema_extra=_TRANSFER)
 
-    @field_validator("mocker")
-    @classmethod
-    def _known_profile(cls, name: str | None) -> str | None:
-        if name is None:
-            return None
-        from dynserve.workers.mocker_profiles import PROFILES  # data only: no cycle, no torch
-
-        if name not in PROFILES:
-            raise ValueError(f"unknown mocker profile {name!r}; choose one of {', '.join(PROFILES)}")
-        return name
-
     @classmethod
     def field_names(cls, group: str) -> list[str]:
         """Names of the fields in `group` ("engine", "gateway", "cluster", "pool", "mocker" or "transfer")."""
         return [name for name, f in cls.model_fields.items()
                 if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]
-
-
-def torch_dtype(name: DType) -> torch.dtype:
-    import torch
-
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

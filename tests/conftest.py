@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 from dynserve.config import Settings  # noqa: E402
 from dynserve.engine.llm_engine import LLMEngine, LoadedModel, load_model  # noqa: E402
-from dynserve.engine.loader import default_model_path  # noqa: E402
+from dynserve.model.resolve import default_model_path  # noqa: E402
 
 EngineFactory = Callable[..., LLMEngine]
 

@@ -11,8 +11,9 @@ import pytest
 import uvloop
 
 from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.framing import MAX_FRAME_BYTES, read_frame
 from dynserve.protocol import GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, WorkerInfo
-from dynserve.workers.channel import MAX_FRAME_BYTES, FrameWriter, WorkerConnection, merge_deltas, read_frame
+from dynserve.workers.channel import FrameWriter, WorkerConnection, merge_deltas
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

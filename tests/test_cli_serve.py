@@ -10,7 +10,6 @@ import tempfile
 from pathlib import Path
 
 import httpx
-
 from conftest import banner_port, stop_by_sigint, wait_for_line
 
 DYNCTL = str(Path(sys.executable).parent / "dynctl")

@@ -9,13 +9,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from conftest import replay_event_plane
 
 from dynserve.events.base import EventPlane
 from dynserve.events.memory import MemoryEventPlane
 from dynserve.events.redis_plane import RedisEventPlane
 from dynserve.protocol import BlockRemoved, BlockStored, SamplingParams, WorkerInfo
 from dynserve.router.indexer import KVIndex
-from conftest import replay_event_plane
 
 _prefixes = itertools.count()
 

@@ -12,8 +12,9 @@ from safetensors.torch import save_file
 
 from dynserve.config import Settings
 from dynserve.engine.llm_engine import LLMEngine, LoadedModel
-from dynserve.engine.loader import load_model_weights, resolve_model_path
+from dynserve.engine.loader import load_model_weights
 from dynserve.errors import ModelLoadError
+from dynserve.model.resolve import resolve_model_path
 
 
 def _hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:

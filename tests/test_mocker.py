@@ -21,14 +21,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import banner_port, replay_event_plane, stop_by_sigint, wait_for_line
 
 from dynserve.config import Settings
-from dynserve.engine.loader import default_model_path
-from dynserve.engine.tokenizer import Tokenizer
+from dynserve.model.resolve import default_model_path
+from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams
 from dynserve.workers.mocker import MockEngine, step_work
 from dynserve.workers.mocker_profiles import CPU, MockerProfile, StepWork
-from conftest import banner_port, replay_event_plane, stop_by_sigint, wait_for_line
 
 MODEL = "SmolLM2-135M-Instruct"
 SPEEDUP = 10.0
@@ -506,7 +506,7 @@ def _check_sglang_router_bodies(url: str) -> None:
 
 
 def test_standalone_mocker_serves_the_openai_client() -> None:
-    command = [sys.executable, "-m", "dynserve.workers.mocker"]
+    command = [sys.executable, "-m", "dynserve.cli.mocker"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DYN_MOCKER_SPEEDUP": str(SPEEDUP)}
     help_text = " ".join(subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60,
                                         env=env, check=True).stdout.split())  # however the terminal wraps it

@@ -22,8 +22,9 @@ import regex
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from dynserve.errors import TokenizerError
+from dynserve.model.detokenizer import IncrementalDetokenizer
+from dynserve.model.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GPT2_PATTERN = regex.compile(
@@ -463,7 +464,7 @@ def test_the_fast_path_declines_other_pre_tokenizers(tokenizer: Tokenizer) -> No
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import pre_tokenizers
 
-    from dynserve.engine.tokenizer import _AsciiWords
+    from dynserve.model.tokenizer import _AsciiWords
 
     raw = RawTokenizer.from_str(tokenizer._raw.to_str())
     assert _AsciiWords.for_tokenizer(raw) is not None

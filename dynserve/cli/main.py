@@ -77,6 +77,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", choices=["text", "json"], default="text")
     _add_settings_flags(gen, "engine")
 
+    sub.add_parser("mocker", add_help=False,
+                   help="one simulated worker behind the gateway, an OpenAI server (dynctl mocker --help)")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
     _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker")
     return parser
@@ -135,6 +137,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["mocker"]:  # its own parser: the mocker's flags, aliases and help
+        from dynserve.cli.mocker import main as mocker_main
+
+        return mocker_main(argv[1:])
     args = _build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

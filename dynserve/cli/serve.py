@@ -90,8 +90,8 @@ def _banner(settings: Settings, model_id: str, port: int) -> str:
 def serve(settings: Settings) -> int:
     import uvloop
 
-    from dynserve.engine.loader import resolve_model_path
-    from dynserve.engine.tokenizer import Tokenizer
+    from dynserve.model.resolve import resolve_model_path
+    from dynserve.model.tokenizer import Tokenizer
 
     check_layout(settings)
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
@@ -112,8 +112,13 @@ def _disaggregated(settings: Settings) -> bool:
 
 
 def check_layout(settings: Settings) -> None:
-    """Raise InvalidRequestError for a worker layout that cannot serve (prefill without decode workers)."""
+    """Raise InvalidRequestError for a worker layout that cannot serve (prefill without decode workers, an
+    unknown mocker profile)."""
     from dynserve.errors import InvalidRequestError
+    from dynserve.workers.mocker_profiles import get_profile
+
+    if settings.mocker is not None:
+        get_profile(settings.mocker)  # names the known profiles
 
     if _disaggregated(settings) and (settings.prefill_workers < 1 or settings.decode_workers < 1):
         raise InvalidRequestError("disaggregated serving needs at least one prefill and one decode worker "

@@ -39,9 +39,9 @@ from dynserve.engine.block_manager import BlockManager
 from dynserve.engine.output import OutputText
 from dynserve.engine.scheduler import ScheduledBatch, Scheduler
 from dynserve.engine.sequence import Sequence
-from dynserve.engine.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.errors import InvalidRequestError
 from dynserve.hashing import model_salt
+from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
 
 __all__ = ["LEASE_MARGIN_S", "EngineCore", "EngineStats", "GenerationResult", "ReceivePlan", "StepSamples"]

@@ -10,23 +10,25 @@ from one loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 
 import torch
 
-from dynserve.config import Settings, torch_dtype
+from dynserve.config import DType, Settings
 from dynserve.engine.core import EngineCore, EngineStats, GenerationResult, StepSamples
-from dynserve.engine.loader import ModelConfig, load_model_weights, resolve_model_path
+from dynserve.engine.loader import ModelConfig, load_model_weights
 from dynserve.engine.model_runner import ModelRunner, kv_block_size_bytes
 from dynserve.engine.models.llama import LlamaForCausalLM
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
-from dynserve.engine.tokenizer import Tokenizer
 from dynserve.errors import CacheCapacityError
+from dynserve.model.resolve import resolve_model_path
+from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams
 
-__all__ = ["EngineStats", "GenerationResult", "LLMEngine", "LoadedModel", "load_model"]
+__all__ = ["EngineStats", "GenerationResult", "LLMEngine", "LoadedModel", "load_model", "torch_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,11 @@ def load_model(settings: Settings, progress: ProgressFn | None = None) -> Loaded
     del state
     return LoadedModel(config, model.to(device).eval(), tokenizer, device)
 
+
+
+def torch_dtype(name: DType) -> torch.dtype:
+    """The torch dtype a `Settings.dtype` names."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 class LLMEngine(EngineCore):
     """The engine over a real model; request handling and deltas come from `EngineCore`."""

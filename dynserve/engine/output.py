@@ -6,7 +6,7 @@ back: the tail that could still grow into a stop string is held until it cannot.
 
 from __future__ import annotations
 
-from dynserve.engine.tokenizer import IncrementalDetokenizer
+from dynserve.model.detokenizer import IncrementalDetokenizer
 
 __all__ = ["OutputText"]
 

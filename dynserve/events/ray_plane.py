@@ -13,10 +13,9 @@ with it) and every job on the cluster finds the same one. It ends with the clust
 Ray finds the actor; the events do not travel as Ray calls. The actor serves the plane on a TCP socket of
 its node (length-prefixed MessagePack frames, as the worker channel uses), and each client holds one
 connection to it, on which calls are numbered so that a blocking read does not hold up a publish. A Ray
-actor call cost the actor about 1 ms of CPU here, and with the mockers of `benchmarks/frontend.py`
-publishing every 50 ms and the router reading as often, the plane's actor took 0.11-0.15 ms of CPU per
-request; a frame costs it tens of microseconds. The socket, like the worker channel's, is not
-authenticated: the cluster's network must be private.
+actor call costs the actor about 1 ms of CPU, which every publish and every read would pay; a frame costs
+it tens of microseconds. The socket, like the worker channel's, is not authenticated: the cluster's
+network must be private.
 
 Calls other than reads are answered in the order they arrive on a connection, so one worker's publishes
 keep their order; reads wait in their own tasks."""
@@ -36,8 +35,8 @@ import msgspec
 from dynserve.errors import ChannelError
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
+from dynserve.framing import encode_frame, read_frame
 from dynserve.protocol import KVEvent, WorkerInfo
-from dynserve.workers.channel import encode_frame, read_frame
 
 __all__ = ["ACTOR_NAME", "DEFAULT_NAMESPACE", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
 

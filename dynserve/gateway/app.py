@@ -19,12 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import dynserve
 from dynserve.config import Settings
-from dynserve.engine.tokenizer import Tokenizer
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes, GatewayState
 from dynserve.gateway.errors import ApiError, install_error_handlers
 from dynserve.gateway.http import AsgiHandler, Exchange
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from dynserve.model.tokenizer import Tokenizer
 
 __all__ = ["Gateway", "build_app"]
 

@@ -27,7 +27,6 @@ import msgspec
 import pydantic
 
 from dynserve.config import Settings
-from dynserve.engine.tokenizer import Tokenizer
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.errors import ApiError, validation_error
@@ -36,6 +35,7 @@ from dynserve.gateway.metrics import GatewayMetrics, observe_many
 from dynserve.gateway.preprocess import Prepared, prepare_chat, prepare_completion
 from dynserve.gateway.responses import DONE, ChoiceState, ResponseBuilder, sse
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import GenerateRequest, TokenDelta
 
 __all__ = ["COMPLETION_ROUTES", "CompletionRoutes", "GatewayState"]

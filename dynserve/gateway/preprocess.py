@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dynserve.engine.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.errors import InvalidRequestError, TokenizerError
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import SamplingParams
 
 __all__ = ["Prepared", "prepare_chat", "prepare_completion", "reject_unsupported"]

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from dynserve.engine.tokenizer import Tokenizer
+from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import TokenDelta, TokenLogprob
 
 __all__ = ["ChoiceState", "ResponseBuilder", "sse"]

@@ -12,13 +12,13 @@ import threading
 from collections.abc import Callable
 
 from dynserve.config import Settings
-from dynserve.engine.loader import resolve_model_path
-from dynserve.engine.tokenizer import Tokenizer
 from dynserve.events.base import EventPlane
 from dynserve.gateway.app import Gateway, build_app
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.http import HttpServer
 from dynserve.hashing import model_salt
+from dynserve.model.resolve import resolve_model_path
+from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import WorkerInfo
 from dynserve.router.router import Router
 

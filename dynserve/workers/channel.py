@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -28,6 +27,7 @@ from typing import Any
 import msgspec
 
 from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.framing import encode_frame, read_frame
 from dynserve.protocol import (
     AbortRequest,
     ClientFrame,
@@ -44,36 +44,11 @@ from dynserve.protocol import (
     WorkerLoad,
 )
 
-__all__ = ["MAX_FRAME_BYTES", "FrameWriter", "WorkerConnection", "encode_frame", "merge_deltas", "read_frame"]
+__all__ = ["FrameWriter", "WorkerConnection", "merge_deltas"]
 
 logger = logging.getLogger(__name__)
 
-MAX_FRAME_BYTES = 64 * 2**20
-_HEADER = struct.Struct("!I")
-_ENCODER = msgspec.msgpack.Encoder()
 _WORKER_FRAMES = msgspec.msgpack.Decoder(WorkerFrame)
-
-
-def encode_frame(message: msgspec.Struct) -> bytes:
-    body = _ENCODER.encode(message)
-    return _HEADER.pack(len(body)) + body
-
-
-async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
-    """The next frame's body; None on a clean end of stream. Raises ChannelError on a bad frame."""
-    try:
-        header = await reader.readexactly(_HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise ChannelError("connection closed inside a frame header") from exc
-    (size,) = _HEADER.unpack(header)
-    if size > MAX_FRAME_BYTES:
-        raise ChannelError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    try:
-        return await reader.readexactly(size)
-    except asyncio.IncompleteReadError as exc:
-        raise ChannelError("connection closed inside a frame") from exc
 
 
 def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
@@ -241,17 +216,11 @@ class WorkerConnection:
     def _send(self, message: ClientFrame) -> None:
         """Queue `message` for the end of this pass of the loop: the frames of one pass go out in one write.
 
-        Requests too: sending each at once (tried 2026-11-23) got a burst's first request to its worker
-        sooner (16 requests of 500 token ids, the gateway 0.2-0.3 ms on each: median time to the worker 3.6
-        ms against 9.0-10.3 with no engine computing beside it; no difference measured in the gateway
-        benchmark, where the engine starts computing on the first and slows the gateway's parsing of the
-        rest), but a mocker at the frontend benchmark's speedup took twice the steps (4,000-5,900 against
-        1,700-2,300 per 1,500 requests) for requests arriving one by one, and the machine 8-10% more CPU a
-        request. Holding requests for at most 0.3 or 1 ms of a longer pass did not win those back. Nor did
-        writing a pass's frames once 1 KiB of them waited (a long prompt's frame at once, short ones held):
-        in the gateway benchmark's burst the engine, already computing the first request, slowed the gateway
-        to 0.4-1.6 ms a request, and the last of the burst reached the worker at 25 ms, against 6-8 ms when
-        the 15 requests after the first went in one write."""
+        Requests too: sending each at once gets a burst's first request to its worker sooner when nothing
+        computes beside the gateway, but a mocker at the frontend benchmark's speedup then takes twice the
+        steps for requests arriving one by one. Holding requests for a fraction of a longer pass did not win
+        those back, and writing a pass's frames once 1 KiB of them waited made the last request of a burst
+        reach its worker later; the experiments: docs/benchmarks.md (gateway)."""
         if self._closed_reason is not None or self._writer is None:
             raise WorkerUnavailableError(
                 f"worker {self.worker_id} is unavailable ({self._closed_reason})", worker_id=self.worker_id

@@ -4,8 +4,8 @@ Two drivers share the bookkeeping (`_Driver`: open requests, per-request timings
 - `EngineLoop` steps the engine on its own thread, for engines whose steps compute (the model's). The
   engine is built on that same thread (`start` runs the builder there and waits for it): torch's OpenMP
   thread team belongs to the thread that first runs a parallel op, and an engine stepping on one thread
-  after its model was loaded and warmed up on another runs 40-50% slower on CPU (measured here). Other
-  threads talk to it through a command queue (`submit`, `abort`, `stop`), and the thread blocks on that
+  after its model was loaded and warmed up on another runs 40-50% slower on CPU. Other threads talk to it
+  through a command queue (`submit`, `abort`, `stop`), and the thread blocks on that
   queue when the engine is idle, so an idle worker costs no CPU. After every step the deltas are grouped
   by the `Sink` that owns each request. A thread-safe sink (a worker's connection) takes its group on the
   engine thread at once, saving the loop's wake-up (about 1 ms a step here); the others' groups are

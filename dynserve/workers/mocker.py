@@ -8,9 +8,8 @@ by `mocker_speedup`, and each sequence that finished its prefill or decodes gets
 
 It runs inside the ordinary `EngineWorker` (set `Settings.mocker` to a profile name; `launch_mocker` also
 reserves almost no Ray CPU), so the worker channel, loads, KV events and the gateway work unchanged; and
-standalone, behind our own gateway, as an OpenAI-compatible server that other routers can front:
-
-    python -m dynserve.workers.mocker --profile cpu --speedup 10 --http-port 9001
+standalone, behind our own gateway, as an OpenAI-compatible server that other routers can front
+(`dynctl mocker`, in `dynserve/cli/mocker.py`).
 
 Invariants:
 - Nothing here imports torch (`import dynserve.workers.mocker` leaves it out of `sys.modules`).
@@ -33,13 +32,10 @@ Invariants:
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
-import os
 import re
 import struct
-import sys
 import time
 from typing import Any
 
@@ -48,15 +44,15 @@ import xxhash
 
 from dynserve.config import Settings
 from dynserve.engine.core import EngineCore, ReceivePlan, StepSamples, is_decode
-from dynserve.engine.loader import model_id_of, resolve_model_path
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
-from dynserve.engine.tokenizer import Tokenizer
 from dynserve.errors import KVTransferTimeoutError
+from dynserve.model.resolve import model_id_of, resolve_model_path
+from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams, TokenDelta, TokenLogprob
 from dynserve.workers.mocker_profiles import MockerProfile, StepWork, get_profile
 
-__all__ = ["MockEngine", "launch_mocker", "main", "step_work"]
+__all__ = ["MockEngine", "launch_mocker", "step_work"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,75 +203,3 @@ def launch_mocker(settings: Settings, worker_id: str, *, role: str = "both", pro
         update["mocker_speedup"] = speedup
     return launch_worker(settings.model_copy(update=update), worker_id, role,  # type: ignore[arg-type]
                          publish_events=publish_events)
-
-
-# ---- standalone: one mocker behind our gateway, as an OpenAI-compatible server ---------------------------
-
-_ENGINE_FLAGS = {"model", "block_size", "kv_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                 "enable_prefix_caching", "seed"}
-
-
-def _parser() -> argparse.ArgumentParser:
-    from dynserve.cli.main import add_settings_group
-
-    parser = argparse.ArgumentParser(
-        prog="python -m dynserve.workers.mocker",
-        description="One simulated worker (real scheduler and prefix cache, profiled step times, no model) "
-                    "behind dynserve's gateway: an OpenAI-compatible server other routers can front.",
-        epilog="The profile defaults to cpu. Engine limits left unset (--kv-blocks, --max-num-seqs, "
-               "--max-num-batched-tokens, --max-model-len) are the profile's. With --redis-url the mocker "
-               "registers there (in --namespace) and publishes its KV events, so dynserve's KV router can use "
-               "it too.")
-    parser.add_argument("--log-level", default="WARNING", help="logging level [default: WARNING]")
-    add_settings_group(parser, "mocker", aliases={"mocker": ["--profile"], "mocker_speedup": ["--speedup"]})
-    add_settings_group(parser, "gateway", aliases={"port": ["--http-port"]})
-    add_settings_group(parser, "engine", only=_ENGINE_FLAGS)
-    add_settings_group(parser, "cluster", only={"redis_url", "namespace"})
-    return parser
-
-
-async def serve_standalone(settings: Settings) -> None:
-    """Run a mocker worker and the gateway over its channel on this loop until the gateway stops; then drain
-    the worker (channel clients get 5 s to finish their streams) and stop it. With `settings.redis_url` the
-    worker registers in `settings.namespace` there and publishes its KV events."""
-    from dynserve.gateway.server import make_gateway_app, serve_app_async
-    from dynserve.workers.worker import EngineWorker
-
-    worker = EngineWorker(settings, f"mocker-{os.getpid()}", publish_events=settings.redis_url is not None)
-    info = await worker.start()
-    app = make_gateway_app(settings, [info], worker.engine.tokenizer)
-
-    def on_ready(port: int) -> None:
-        print(f"dynserve mocker ({settings.mocker}, speedup {settings.mocker_speedup:g}) is serving "
-              f"{info.model_id} at http://{settings.host}:{port}/v1. Ctrl-C stops it.",
-              file=sys.stderr, flush=True)
-
-    try:
-        await serve_app_async(app, settings, on_ready)
-    finally:
-        await worker.drain(timeout_s=5.0)  # leaves the registry now, not when its lease runs out
-        await worker.stop()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dynserve.cli.main import EXIT_USAGE, settings_from
-    from dynserve.errors import InvalidRequestError
-
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        settings = settings_from(args)
-    except InvalidRequestError as exc:
-        print(f"mocker: invalid input: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    if settings.mocker is None:
-        settings = settings.model_copy(update={"mocker": "cpu"})
-    import uvloop
-
-    uvloop.run(serve_standalone(settings))  # returns after SIGINT/SIGTERM and a graceful shutdown
-    print("mocker: stopped", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -78,24 +78,13 @@ class MockerProfile:
 
 # ---- cpu: our engine on this machine ------------------------------------------------------------------
 #
-# SmolLM2-135M-Instruct, fp32, ONE torch thread, on this 2-core x86-64 CPU (torch 2.13), measured on
-# 2026-11-22 at commit a427891 with
+# SmolLM2-135M-Instruct, fp32, ONE torch thread, on this 2-core x86-64 CPU, fitted to the step times of
 #   PYTHONPATH=$PWD .venv/bin/python -m benchmarks.mocker_profile
-# Times are each step's process CPU time: what the step takes on a core of its own. The machine was shared
-# (load average 2-10 during the run), which stretched wall times by up to 2.5x; a worker with 2 threads on a
-# quiet machine is up to about 1.6x faster than this profile. Prefill: one request of n new tokens after k
-# cached, one step, best of 3. Decode: the median of 8 steps of B requests of about L tokens, best of 3.
-#
-#   prefill (k, n) -> ms   (0,16) 206   (0,64) 359   (0,128) 556   (0,256) 965   (0,512) 2020  (0,1024) 4107
-#                          (256,256) 1079   (768,256) 1241   (1792,256) 1735
-#   decode B ->  ms        1     2     4     8     16    32    64
-#            L = 128       96    106   168   225   223   298   477
-#            L = 512       112   108   184   278   236   338   510
-#            L = 1024      102   105   192   241   300   403   665
-#
-# Fit, least squares on relative error: prefill within 5% of every point (rms 2.4%); decode rms 18%, worst
-# 40% (B = 8, L = 512; the measured curve has steps where torch switches kernels, an affine model cannot).
-# Check on a mixed step (16 decodes of L = 512 plus a 256-token prefill): measured 1,108 ms, modelled 1,111.
+# (the run's date, commit, load and measured points: docs/benchmarks.md, mocker_profile). Times are each
+# step's process CPU time: what the step takes on a core of its own; a worker with 2 threads on a quiet
+# machine is up to about 1.6x faster than this profile. Fit, least squares on relative error: prefill within
+# 5% of every point; decode rms 18%, worst 40% (the measured curve has steps where torch switches kernels,
+# an affine model cannot); a mixed step (decodes plus a prefill chunk) within 1% of its measured time.
 CPU = MockerProfile(
     name="cpu",
     description="dynserve's engine, SmolLM2-135M-Instruct fp32, 1 thread of this 2-core CPU (measured, fitted)",

@@ -36,17 +36,23 @@ from typing import Any, Literal
 import msgspec
 
 from dynserve.config import Settings
-from dynserve.errors import ChannelError, InvalidRequestError, KVTransferError, KVTransferTimeoutError, \
-    WorkerUnavailableError
+from dynserve.errors import (
+    ChannelError,
+    InvalidRequestError,
+    KVTransferError,
+    KVTransferTimeoutError,
+    WorkerUnavailableError,
+)
+from dynserve.framing import encode_frame, read_frame
 from dynserve.protocol import (
     AbortRequest,
     ClientFrame,
     DeltaBatch,
     GenerateRequest,
-    RequestError,
     KVEvent,
     KVSnapshot,
     ReleaseRequest,
+    RequestError,
     RequestTiming,
     SamplingParams,
     SnapshotRequest,
@@ -54,7 +60,7 @@ from dynserve.protocol import (
     WorkerInfo,
     WorkerLoad,
 )
-from dynserve.workers.channel import FrameWriter, encode_frame, read_frame
+from dynserve.workers.channel import FrameWriter
 
 __all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_worker", "reserved_cpus"]
 
@@ -66,11 +72,11 @@ MOCKER_NUM_CPUS = 0.01
 _CLIENT_FRAMES = msgspec.msgpack.Decoder(ClientFrame)
 
 
-# KV events: at most one publish per 50 ms while they keep coming, so a busy worker's steps batch up (each
-# publish to the embedded plane is a Ray call costing its actor about 1 ms of CPU: at 20 ms the plane took
-# 0.16-0.28 ms of CPU per request of the frontend benchmark, at 50 ms 0.12-0.19, and the machine's total
-# fell 8% in 4 interleaved rounds). A router sees a stream's blocks at most this much later; the first
-# events after a quiet spell still go out at once, and a conversation's next turn comes seconds later.
+# KV events: at most one publish per 50 ms while they keep coming, so a busy worker's steps batch up into
+# one publish (each costs the plane's actor CPU; at 50 ms the frontend benchmark's machine spent 8% less
+# CPU in all than at 20: docs/benchmarks.md). A router sees a stream's blocks at most this much later;
+# the first events after a quiet spell still go out at once, and a conversation's next turn comes seconds
+# later.
 _PUBLISH_INTERVAL_S = 0.05
 
 

@@ -1,4 +1,4 @@
-"""Text <-> token ids for the engine: encoding, decoding, streaming detokenization and chat templates.
+"""Text <-> token ids for one model: encoding, decoding and chat rendering.
 
 A `Tokenizer` is built either from a GGUF file's metadata (`tokenizer.ggml.*`) or from a Hugging Face
 directory (`tokenizer.json`, `tokenizer_config.json`), and in both cases wraps a `tokenizers.Tokenizer`.
@@ -11,97 +11,33 @@ Invariants kept here:
   `IncrementalDetokenizer` (which works on bytes) always agrees with `decode` on the whole sequence,
   and never emits half of a UTF-8 character.
 - Chat templates render exactly as `transformers`' `apply_chat_template(..., tokenize=False)` does.
-
-The GGUF metadata is parsed here directly (header and key/value section only): `gguf.GGUFReader` builds a
-numpy view per array element and needs seconds for a 49k-token vocabulary.
 """
 
 from __future__ import annotations
 
-import codecs
 import functools
 import json
-import mmap
 import os
 import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import numpy as np
 import tokenizers
-from gguf.constants import GGUF_MAGIC, GGUFValueType
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from dynserve.errors import TokenizerError
+from dynserve.model.chat_template import compile_chat_template, plain_message
+from dynserve.model.detokenizer import IncrementalDetokenizer
+from dynserve.model.gguf_metadata import read_gguf_metadata
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "ids_in_vocab"]
 
 _GGUF_TOKEN_TYPE_CONTROL = 3  # special tokens such as <|im_start|>: matched in text, skippable in decode
 _GGUF_TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are ordinary text: matched in text, always decoded
-_GGUF_SCALAR_FORMATS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
-}  # fmt: skip
-
-
-# --- GGUF metadata ------------------------------------------------------------------------------------
-
-
-def _read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Every key/value pair of a little-endian GGUF (v2 or v3) file; tensors are not touched."""
-    try:
-        with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            magic, version, _num_tensors, num_kvs = struct.unpack_from("<IIQQ", buffer, 0)
-            if magic != GGUF_MAGIC:
-                raise TokenizerError(f"{path} is not a GGUF file (bad magic {magic:#x})")
-            if version not in (2, 3):
-                raise TokenizerError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
-            metadata: dict[str, Any] = {}
-            offset = struct.calcsize("<IIQQ")
-            for _ in range(num_kvs):
-                key, offset = _read_gguf_string(buffer, offset)
-                (value_type,), offset = struct.unpack_from("<I", buffer, offset), offset + 4
-                metadata[key], offset = _read_gguf_value(buffer, offset, value_type)
-            return metadata
-    except (OSError, ValueError, struct.error) as exc:
-        raise TokenizerError(f"cannot read GGUF metadata from {path}: {exc}") from exc
-
-
-def _read_gguf_string(buffer: mmap.mmap, offset: int) -> tuple[str, int]:
-    (num_bytes,) = struct.unpack_from("<Q", buffer, offset)
-    start = offset + 8
-    return buffer[start : start + num_bytes].decode("utf-8"), start + num_bytes
-
-
-def _read_gguf_value(buffer: mmap.mmap, offset: int, value_type: int) -> tuple[Any, int]:
-    if value_type == GGUFValueType.STRING:
-        return _read_gguf_string(buffer, offset)
-    if value_type in _GGUF_SCALAR_FORMATS:
-        value_format = _GGUF_SCALAR_FORMATS[value_type]
-        return struct.unpack_from(value_format, buffer, offset)[0], offset + struct.calcsize(value_format)
-    if value_type != GGUFValueType.ARRAY:
-        raise ValueError(f"unknown GGUF value type {value_type} at byte {offset}")
-    element_type, num_elements = struct.unpack_from("<IQ", buffer, offset)
-    offset += 12
-    if element_type in _GGUF_SCALAR_FORMATS:
-        dtype = np.dtype(_GGUF_SCALAR_FORMATS[element_type])
-        values = np.frombuffer(buffer, dtype=dtype, count=num_elements, offset=offset).tolist()
-        return values, offset + dtype.itemsize * num_elements
-    elements = []
-    for _ in range(num_elements):
-        element, offset = _read_gguf_value(buffer, offset, element_type)
-        elements.append(element)
-    return elements, offset
 
 
 # --- byte-level bytes of each token ---------------------------------------------------------------------
@@ -153,58 +89,6 @@ def _whole_texts(token_bytes: tuple[bytes, ...]) -> tuple[str | None, ...]:
     return tuple(texts)
 
 
-# --- chat templates -----------------------------------------------------------------------------------
-
-
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile the way transformers does: sandboxed, trim/lstrip blocks, its globals and `tojson`."""
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        value: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:  # unlike jinja's own tojson, no HTML escaping
-        return json.dumps(
-            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(date_format: str) -> str:
-        return datetime.now().strftime(date_format)
-
-    environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
-    environment.globals["strftime_now"] = strftime_now
-    try:
-        return environment.from_string(source)
-    except jinja2.TemplateError as exc:
-        raise TokenizerError(f"the chat template does not compile: {exc}") from exc
-
-
-def _plain_message(message: Any, index: int) -> dict[str, Any]:
-    """A copy of one chat message whose list-of-parts content is joined into one string.
-
-    Text parts are joined with "\\n" (as vLLM does for string-content templates); other part types
-    (images, audio) are rejected since the engine is text-only.
-    """
-    if not isinstance(message, dict) or "role" not in message:
-        raise TokenizerError(f"message {index} must be a dict with a 'role', got {message!r}")
-    content = message.get("content")
-    if not isinstance(content, list):
-        return dict(message)
-    texts = []
-    for part in content:
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise TokenizerError(f"message {index}: only text content parts are supported, got {part!r}")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
 
 
 # --- the tokenizer --------------------------------------------------------------------------------------
@@ -263,7 +147,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
-        metadata = _read_gguf_metadata(path)
+        metadata = read_gguf_metadata(path)
         model = metadata.get("tokenizer.ggml.model")
         if model != "gpt2" or "tokenizer.ggml.tokens" not in metadata:
             raise TokenizerError(f"{path}: tokenizer model {model!r} is not supported (only byte-level gpt2)")
@@ -373,7 +257,7 @@ class Tokenizer:
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; send a plain completion prompt instead")
         context: dict[str, Any] = {
-            "messages": [_plain_message(message, i) for i, message in enumerate(messages)],
+            "messages": [plain_message(message, i) for i, message in enumerate(messages)],
             "tools": None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
@@ -390,7 +274,7 @@ class Tokenizer:
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:
         assert self.chat_template is not None
-        return _compile_chat_template(self.chat_template)
+        return compile_chat_template(self.chat_template)
 
 
 class _AsciiWords:
@@ -495,55 +379,3 @@ def _config_chat_template(template: str | list[dict[str, str]] | None) -> str | 
         return template
     named = {entry.get("name"): entry.get("template") for entry in template}
     return named.get("default")
-
-
-# --- streaming detokenization -------------------------------------------------------------------------
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text pieces, one `push` per token.
-
-    Works on bytes: each token's bytes go through an incremental UTF-8 decoder that holds back an
-    incomplete trailing character until its remaining bytes arrive, so no piece ever ends in half a
-    character and the cost per token is the size of that token. The concatenation of all pieces plus
-    `flush()` equals `Tokenizer.decode` of the same ids.
-    """
-
-    def __init__(self, token_bytes: tuple[bytes, ...], skipped_ids: frozenset[int],
-                 token_texts: tuple[str | None, ...]) -> None:
-        """`token_texts`: each token's text where its bytes are whole characters, else None; such a token,
-        pushed while no partial character is held, skips the incremental decoder."""
-        self._token_bytes = token_bytes
-        self._token_texts = token_texts
-        self._skipped_ids = skipped_ids
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._unjoined_pieces: list[str] = []
-        self._joined = ""
-
-    def push(self, token_id: int) -> str:
-        """The text newly completed by `token_id` (often "", e.g. for the first bytes of an emoji)."""
-        if not 0 <= token_id < len(self._token_bytes):
-            raise TokenizerError(f"token id {token_id} is outside the vocabulary of {len(self._token_bytes)}")
-        if token_id in self._skipped_ids:
-            return ""
-        piece = self._token_texts[token_id]
-        if piece is None or self._utf8.buffer:  # part of a character, or one is held: the decoder joins them
-            piece = self._utf8.decode(self._token_bytes[token_id])
-        return self._emit(piece)
-
-    def flush(self) -> str:
-        """Whatever is still held at the end of the stream; incomplete bytes become U+FFFD."""
-        return self._emit(self._utf8.decode(b"", final=True))
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        if self._unjoined_pieces:
-            self._joined += "".join(self._unjoined_pieces)
-            self._unjoined_pieces.clear()
-        return self._joined
-
-    def _emit(self, piece: str) -> str:
-        if piece:
-            self._unjoined_pieces.append(piece)
-        return piece

@@ -1,0 +1,69 @@
+"""Chat templates rendered exactly as `transformers`' `apply_chat_template(..., tokenize=False)` renders them:
+a sandboxed Jinja environment with transformers' globals and `tojson`, and messages whose list-of-parts
+content is joined into one string (text parts only: the engine is text-only).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from dynserve.errors import TokenizerError
+
+__all__ = ["compile_chat_template", "plain_message"]
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compile the way transformers does: sandboxed, trim/lstrip blocks, its globals and `tojson`."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: tuple[str, str] | None = None,
+        sort_keys: bool = False,
+    ) -> str:  # unlike jinja's own tojson, no HTML escaping
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(date_format: str) -> str:
+        return datetime.now().strftime(date_format)
+
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    try:
+        return environment.from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"the chat template does not compile: {exc}") from exc
+
+
+def plain_message(message: Any, index: int) -> dict[str, Any]:
+    """A copy of one chat message whose list-of-parts content is joined into one string.
+
+    Text parts are joined with "\\n" (as vLLM does for string-content templates); other part types
+    (images, audio) are rejected since the engine is text-only.
+    """
+    if not isinstance(message, dict) or "role" not in message:
+        raise TokenizerError(f"message {index} must be a dict with a 'role', got {message!r}")
+    content = message.get("content")
+    if not isinstance(content, list):
+        return dict(message)
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise TokenizerError(f"message {index}: only text content parts are supported, got {part!r}")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
