@@ -14,10 +14,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RESULTS_DIR", "best_time_s", "git_commit", "log", "machine_info", "percentile", "write_result"]
+__all__ = ["LOCAL_RAY_ENV", "RESULTS_DIR", "best_time_s", "git_commit", "log", "machine_info", "percentile", "write_result"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+# the runtime env of a local Ray a benchmark starts: one host by construction, so workers serve on loopback
+LOCAL_RAY_ENV = {"env_vars": {"DYN_ADVERTISE_HOST": "127.0.0.1"}}
 
 
 def log(message: str) -> None:

@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import git_commit, log, machine_info, percentile, write_result
+from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, machine_info, percentile, write_result
 from benchmarks._services import free_port
 
 SPEEDUP = 1000.0
@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_c32, num_c1 = (1000, 200) if args.quick else (2000, 500)
     settings = Settings(mocker="cpu", mocker_speedup=SPEEDUP, router="kv", port=0, seed=args.seed)
     start = time.perf_counter()
-    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+             runtime_env=LOCAL_RAY_ENV)
     launched = [launch_mocker(settings, f"m{i}", publish_events=True) for i in range(2)]
     infos = ray.get([ref for _, ref in launched])
     ports: Any = multiprocessing.get_context("spawn").Queue()

@@ -28,45 +28,20 @@ bytes go to the socket, so the client's own request building is not charged to t
 `--quick` (about 90 s) runs 16 requests with outputs of 32..64 tokens instead of 32 requests with 32..128.
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/gateway-<timestamp>.json`.
 
-What moves `ttft_p50_added_ms` here (2026-11-22, per-request timestamps in the gateway and the worker):
-- Half the requests of a full run, and all of a quick one, are sent 16 at once. The gateway takes them one
-  after another, about 0.25 ms each (validation, preprocessing, routing, the channel write), so the
-  16th leaves it about 4 ms after the first.
-- Timestamps of the gateway's channel writes (one quick run, 2026-11-22, second session) put the wait in the
-  gateway, not the worker: the worker read each request within 0.05-0.3 ms of the gateway writing it, while
-  the gateway's first write of a burst came 1.0 and 3.9 ms after the client sent it (its wake-up, and the
-  burst's requests parsed before the first one's task runs), then one every 0.1-0.3 ms. An earlier
-  reading of the worker's arrival times alone had blamed its I/O thread. Tried that session, with no gain
-  beyond the noise: engine niceness 19 against 5 (3 pairs; niceness 0 was worse, 12 ms), 0.1 ms EEVDF
-  slices for the gateway's and the worker's loop threads, first tokens ahead of decode tokens in a step's
-  output, the engine thread waiting up to 2 ms for the loop to take each step's output, and 1 torch thread
-  (way in still 6 ms). On this VM a thread that sleeps for 0.2 ms wakes up to 4 ms late even on an idle
-  machine (p99 0.64 ms), and the path has several such wake-ups (client, gateway, worker I/O).
-- The way out (first token to client) is 2 to 3 ms at 16 in flight. Timestamped hop by hop in one quick run
-  (medians after the engine thread made the token): the worker's loop wrote it at 1.0 ms, the gateway read
-  it at 1.9 ms and wrote it at 2.0 ms, the client read it at 3.0 ms: each wake-up of the next process costs
-  0.5-1.2 ms here, the work between them well under 0.1 ms.
-- Full runs at one commit (7e55a70..37c627a) gave 5.4, 6.4 and 7.2 ms, quick runs 4.7 to 10.5 ms; at
-  37b4a7c full runs gave 4.79, 7.10 and 7.11 ms (way in 1.9-4.1, way out 2.1-2.9), quick runs 4.6 to 10.2.
-- Since ee96420 the engine thread writes each step's tokens to the connection itself (`FrameWriter`), so
-  the worker's loop no longer wakes for them: the way out fell to 1.3-1.8 ms (probe rounds 1.33-1.63
-  against 2.1-3.6 before; quick run 1.72 against 3.38 that morning). Full run at 6d4e1d3: 5.71 ms (way in
-  4.27, way out 1.82), `throughput_ratio` 1.0. The way in is now most of it: the burst's requests leave
-  the gateway together at the end of its loop pass (see `WorkerConnection._send` for why they are not sent
-  one by one).
-- 2026-11-23, per-request timestamps (the gateway's channel writes against the worker's arrivals), full
-  run: in a burst the first request goes alone and the engine starts on it at once; the other 15 then
-  cost the gateway 0.4-0.5 ms each (their validation and preparation alone take 0.09 ms on an idle
-  machine), and went to the worker in one write 6.8-7.9 ms after the client sent them; in one burst the
-  worker's loop read them 2.8 ms after that write, its engine thread computing. Requests sent one at a
-  time while the engine decodes for the other 15 (the second half of a full run) reach the worker 0.2-4
-  ms after they were sent, most of it in the gateway (0.4-3.2 ms), and their first token reaches the
-  client 1.5-6 ms after the engine made it. So the p50 of a full run is set by requests arriving alone at
-  a busy machine, and both of its hops are CPU contention with the engine on this machine's two cores.
-  Full runs: at d5deb60 5.29 ms (way in 1.67, way out 2.23; `throughput_ratio` 0.87 in a run whose
-  second rounds ran at 60% of the first: engine 54.8 then 33.2 tok/s, gateway 47.5 then 29.7) and 6.51
-  (way in 4.87); at 695295d, in a fast phase of this VM, 4.49 (way in 2.26, way out 1.77, ratio 1.07)
-  and 4.15 (1.38, 1.67, ratio 0.92). Quick runs that hour: 3.38 to 4.83.
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.gateway [--quick]
+
+What moves `ttft_p50_added_ms` (per-request timestamps in the gateway and the worker show it):
+- the way in: half the requests of a full run, and all of a quick one, are sent 16 at once; the first goes
+  alone and the engine starts on it at once, and the gateway takes the rest one after another (validation,
+  preprocessing, routing) while the engine computes beside it, so they leave it together, at the end of
+  its loop pass (see `WorkerConnection._send` for why they are not sent one by one);
+- the way out: the engine thread writes each step's tokens to the connection itself (`FrameWriter`), so
+  what remains is one wake-up of each process after it (gateway, client), and the work between them is well
+  under 0.1 ms;
+- so both hops are wake-ups and CPU contention with the engine on this machine's two cores: on this VM a
+  thread that sleeps for 0.2 ms wakes up to 4 ms late even on an idle machine, and the p50 of a full run is
+  set by requests arriving alone at a busy machine.
+The measurements, the experiments tried and their history: `docs/benchmarks.md` (gateway).
 """
 
 from __future__ import annotations
@@ -80,7 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import git_commit, log, machine_info, percentile, write_result
+from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, machine_info, percentile, write_result
 from benchmarks._http import RawConnection
 from benchmarks.engine import FULL_PLAN, Plan, Workload, make_workload, random_prompt
 
@@ -245,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan: Plan = QUICK_PLAN if args.quick else FULL_PLAN
     settings = Settings(dtype="float32", device="cpu", num_threads=threads, seed=args.seed, port=0)
     start = time.perf_counter()
-    ray.init(num_cpus=threads, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=threads, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+             runtime_env=LOCAL_RAY_ENV)
     handle, info_ref = launch_worker(settings, "bench", num_cpus=1)
     engine = LLMEngine(settings)
     info = ray.get(info_ref)

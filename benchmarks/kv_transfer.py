@@ -16,11 +16,8 @@ NIXL's own progress thread on (`*_progress_thread_*`), the setting this layer tu
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/`. UCX runs with
 `DYN_TRANSFER_UCX_TLS` / `DYN_TRANSFER_UCX_NET_DEVICES` when set, else cma,tcp,self on lo.
 
-Measured here (2 cores shared with other work, load average 3-7): NIXL reads 16 MiB at 0.7-0.8 of memcpy
-(about 2.8-3.6 GB/s against 3.5-4.7), the TCP fallback at about half; the actors idle at ~8% CPU, and at
-~184% with NIXL's progress thread (which then reads at 0.3-0.6 of memcpy). A cma READ is the kernel's
-process_vm_readv, measured alone at 0.7-0.9 of memcpy on 4 KiB pages; with the caches on transparent huge
-pages (`THP_MEM_ALLOC_ENABLE=1`) NIXL reached 0.92 of memcpy at 16 MiB.
+With cma, a NIXL READ is the kernel's process_vm_readv on the owner's pages. The measurements and their
+history: `docs/benchmarks.md` (kv_transfer).
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import git_commit, log, machine_info, write_result
+from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, machine_info, write_result
 from dynserve.config import Settings
 from dynserve.kv_transfer import coalesce_block_runs, make_connector
 from dynserve.kv_transfer.nixl_backend import nixl_available
@@ -123,7 +120,7 @@ def _transfer_settings(backend: str, **overrides: Any) -> dict[str, Any]:
     settings = Settings()
     return {"transfer_backend": backend, "transfer_ucx_tls": settings.transfer_ucx_tls or "cma,tcp,self",
             "transfer_ucx_net_devices": settings.transfer_ucx_net_devices or "lo",
-            "transfer_progress_thread": settings.transfer_progress_thread, "transfer_host": "127.0.0.1",
+            "transfer_progress_thread": settings.transfer_progress_thread, "advertise_host": "127.0.0.1",
             **overrides}
 
 
@@ -191,6 +188,7 @@ def main() -> None:
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+             runtime_env=LOCAL_RAY_ENV,
              _temp_dir=temp_dir)
     agent = ray.remote(num_cpus=1)(KVAgent)
     connectors = {backend: _transfer_settings(backend) for backend in backends}

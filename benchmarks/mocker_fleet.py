@@ -7,9 +7,7 @@ The last stdout line is the JSON result; a copy goes to `benchmarks/results/mock
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.mocker_fleet --num-mockers 64
 
-Measured here (2 cores, 24 GiB, shared with other work, load average up to 53 while they started): all 64
-started in 183 s and answered; each actor process 136 MiB RSS, 82 MiB USS; the machine's used memory grew
-by 134 MiB per mocker (8.4 GiB for 64).
+The measurements and their history: `docs/benchmarks.md` (mocker_fleet).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import git_commit, log, write_result
+from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, write_result
 from dynserve.config import Settings
 from dynserve.protocol import GenerateRequest, SamplingParams, WorkerInfo
 from dynserve.workers.channel import WorkerConnection
@@ -74,6 +72,7 @@ def main() -> None:
     used_before_mib = _used_mib()
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray.init(num_cpus=args.num_cpus, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+             runtime_env=LOCAL_RAY_ENV,
              _temp_dir=temp_dir)
     time.sleep(2)
     used_ray_mib = _used_mib()

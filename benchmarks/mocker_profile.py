@@ -20,7 +20,8 @@ Fits (least squares on relative error, milliseconds of CPU time):
 
 Run: `PYTHONPATH=$PWD .venv/bin/python -m benchmarks.mocker_profile` (a few minutes on a 2-core CPU). The
 last stdout line is the JSON result (points, fits, residuals); paste `fit` into
-`dynserve/workers/mocker_profiles.py` with the date and the load average.
+`dynserve/workers/mocker_profiles.py`, and the run (date, commit, load average, points, residuals) into
+`docs/benchmarks.md` (mocker_profile), which holds the run the current profile was fitted to.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@
 
 Last stdout line: JSON with `decision_p50_us_<size>_<workers>w`, `decision_p99_us_...`, `previous_p50_us_...`,
 `ingest_blocks_per_s`. `--quick` skips the 1M-block index for 8 workers and uses fewer decisions.
+Record a run in `docs/benchmarks.md` (router_micro), which keeps the history.
 """
 
 from __future__ import annotations

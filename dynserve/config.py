@@ -57,6 +57,15 @@ class Settings(BaseSettings):
     worker_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each worker",
                                    json_schema_extra=_CLUSTER)
     workers: int = Field(1, ge=1, description="engine workers to start (dynctl serve)", json_schema_extra=_CLUSTER)
+    # Addresses are the node's: a worker inside Ray reads them from its own process's environment
+    # (DYN_ADVERTISE_HOST, DYN_BIND_HOST: a pod sets its pod IP), not from the settings its driver sent.
+    advertise_host: str | None = Field(
+        None, description="the address a process announces for the ports it serves other processes (worker "
+        "channel, KV transfer, event plane): default its Ray node's IP, or 127.0.0.1 outside Ray (dynctl "
+        "serve's own local Ray: 127.0.0.1); in a pod, its pod IP", json_schema_extra=_CLUSTER)
+    bind_host: str | None = Field(
+        None, description="the address those ports listen on; default the advertised one (0.0.0.0 only when "
+        "set here)", json_schema_extra=_CLUSTER)
     prefill_workers: int = Field(0, ge=0, description="disaggregated serving (dynctl serve): prefill workers "
                                  "to start; with decode_workers, replaces --workers", json_schema_extra=_CLUSTER)
     decode_workers: int = Field(0, ge=0, description="disaggregated serving (dynctl serve): decode workers to "
@@ -156,10 +165,19 @@ class Settings(BaseSettings):
         "none", description="fault injection for resilience tests and drills: every KV read of this worker "
         "fails at once ('error') or only after transfer_timeout_s ('timeout'); the decode worker then prefills "
         "locally", json_schema_extra=_TRANSFER)
-    transfer_host: str = Field("127.0.0.1", description="tcp: the address a worker serves its KV pages on "
-                               "and tells peers", json_schema_extra=_TRANSFER)
-    transfer_port: int = Field(0, ge=0, le=65535, description="tcp: the port it serves them on (0: any free "
-                               "port)", json_schema_extra=_TRANSFER)
+    transfer_port: int = Field(0, ge=0, le=65535, description="tcp: the port a worker serves its KV pages on "
+                               "(0: any free port), at its bind_host", json_schema_extra=_TRANSFER)
+
+    def serving_addresses(self, node_ip: str | None) -> tuple[str, str]:
+        """(bind, advertise): where a process's served ports listen and the address it announces for them.
+
+        The advertised address is `advertise_host`, else `node_ip` (Ray's address for the node the process
+        runs on, which other nodes reach it by), else loopback (a process outside Ray, on one host by
+        construction). The bind address is `bind_host`, else the advertised one: never every interface
+        unless asked.
+        """
+        advertise = self.advertise_host or node_ip or "127.0.0.1"
+        return self.bind_host or advertise, advertise
 
     @classmethod
     def field_names(cls, group: str) -> list[str]:

@@ -16,6 +16,9 @@ import tempfile
 import time
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every process of these tests but the multi-host ones runs on this one host: workers and the event plane
+# serve on loopback (the variable reaches Ray's actors through the raylet the session starts).
+os.environ.setdefault("DYN_ADVERTISE_HOST", "127.0.0.1")
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from typing import Any  # noqa: E402

@@ -80,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("mocker", add_help=False,
                    help="one simulated worker behind the gateway, an OpenAI server (dynctl mocker --help)")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
-    _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker")
+    _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker", "transfer")
     return parser
 
 

@@ -39,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     add_settings_group(parser, "mocker", aliases={"mocker": ["--profile"], "mocker_speedup": ["--speedup"]})
     add_settings_group(parser, "gateway", aliases={"port": ["--http-port"]})
     add_settings_group(parser, "engine", only=_ENGINE_FLAGS)
-    add_settings_group(parser, "cluster", only={"redis_url", "namespace"})
+    add_settings_group(parser, "cluster", only={"redis_url", "namespace", "advertise_host", "bind_host"})
     return parser
 
 

@@ -39,8 +39,13 @@ def start_ray(settings: Settings) -> bool:
     if settings.ray_address:
         ray.init(address=settings.ray_address, logging_level=logging.WARNING, log_to_driver=True)
         return False
+    # Everything runs on this host by construction: workers and the event plane serve on loopback, so a local
+    # `dynctl serve` opens no port to the network but the gateway's (--host).
+    node_env = {"DYN_ADVERTISE_HOST": settings.advertise_host or "127.0.0.1"}
+    if settings.bind_host:
+        node_env["DYN_BIND_HOST"] = settings.bind_host
     ray.init(include_dashboard=False, object_store_memory=256 * 2**20, logging_level=logging.WARNING,
-             log_to_driver=True)
+             log_to_driver=True, runtime_env={"env_vars": node_env})
     return True
 
 
@@ -139,9 +144,10 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
     threads = settings.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
     worker_settings = settings.model_copy(update={"num_threads": threads})
     pools = [(WorkerPool(worker_settings, name=name, role=role), n) for name, role, n in layout]  # type: ignore[arg-type]
+    registry = pools[0][0].registry  # before any worker: the embedded event plane starts on this node
     try:
         infos = await _start_pools(pools)
-        app = make_gateway_app(settings, infos, tokenizer, registry=pools[0][0].registry)
+        app = make_gateway_app(settings, infos, tokenizer, registry=registry)
 
         def on_ready(port: int) -> None:
             print(_banner(settings, infos[0].model_id, port), file=sys.stderr, flush=True)

@@ -32,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from dynserve.config import Settings
 from dynserve.errors import ChannelError
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
@@ -92,9 +93,10 @@ class EventPlaneActor:
             if self._address is None:
                 import ray
 
-                host = ray.util.get_node_ip_address()
-                self._server = await asyncio.start_server(self._serve, host, 0)
-                self._address = (host, self._server.sockets[0].getsockname()[1])
+                # this node's own environment and Ray's node IP, as a worker's ports (see Settings)
+                bind_host, advertise_host = Settings().serving_addresses(ray.util.get_node_ip_address())
+                self._server = await asyncio.start_server(self._serve, bind_host, 0)
+                self._address = (advertise_host, self._server.sockets[0].getsockname()[1])
         return self._address
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -216,10 +218,15 @@ class RayEventPlane(EventPlane):
         """`max_len`: the batches the actor keeps, when this call creates it."""
         import ray
 
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         name = ACTOR_NAME if namespace == DEFAULT_NAMESPACE else f"{ACTOR_NAME}-{namespace}"
+        # The first client creates the actor on its own node (`dynctl serve` does so before any worker starts,
+        # so the plane lives with the gateway on the head, not on a worker node that may be lost).
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self._handle = handle or ray.remote(EventPlaneActor).options(
             name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
-            max_concurrency=1000,
+            max_concurrency=1000, scheduling_strategy=here,
         ).remote(max_len=max_len)
         # by loop: a connection's reader task and futures belong to the loop that opened it
         self._connections: dict[asyncio.AbstractEventLoop, _PlaneConnection] = {}

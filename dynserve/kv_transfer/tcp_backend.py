@@ -105,13 +105,13 @@ def _host_view(region: torch.Tensor) -> memoryview:
 class _PageServer:
     """Serves one cache's bytes to readers and collects the notifications they send."""
 
-    def __init__(self, kv_bytes: torch.Tensor, host: str, port: int, inbox: collections.deque[Notification],
+    def __init__(self, kv_bytes: torch.Tensor, bind: tuple[str, int], inbox: collections.deque[Notification],
                  token: str):
         self._kv_bytes = kv_bytes
         self._inbox = inbox
         self._token = token.encode()
-        self._listener = socket.create_server((host, port))
-        self.host, self.port = self._listener.getsockname()[:2]
+        self._listener = socket.create_server(bind)
+        self.port = self._listener.getsockname()[1]
         self._connections: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._guard = threading.Lock()
@@ -207,20 +207,22 @@ class TcpConnector(KVConnector):
         self._peer_metadata: dict[str, TcpAgentMetadata] = {}
         self._connections: dict[str, socket.socket] = {}
         self._token = secrets.token_hex(16)  # readers must present it: it goes out with the metadata only
+        # a worker passes its resolved addresses; a connector made outside one serves loopback
+        self._bind_host, self._advertise_host = settings.serving_addresses(None)
 
     def _register(self, kv_cache: torch.Tensor, layout: KVLayout) -> None:
         kv_bytes = kv_cache.view(-1).view(torch.uint8)
         try:
-            self._server = _PageServer(kv_bytes, self.settings.transfer_host, self.settings.transfer_port,
-                                       self._inbox, self._token)
+            self._server = _PageServer(kv_bytes, (self._bind_host, self.settings.transfer_port), self._inbox,
+                                       self._token)
         except OSError as exc:
-            raise KVTransferError(f"cannot serve KV pages on {self.settings.transfer_host}:"
-                                  f"{self.settings.transfer_port}: {exc}", backend=self.backend) from exc
+            raise KVTransferError(f"cannot serve KV pages on {self._bind_host}:{self.settings.transfer_port}: "
+                                  f"{exc}", backend=self.backend) from exc
         self._kv_bytes = kv_bytes
 
     def _metadata(self, layout: KVLayout) -> TcpAgentMetadata:
         assert self._server is not None
-        return TcpAgentMetadata(agent_name=self.agent_name, layout=layout, host=self._server.host,
+        return TcpAgentMetadata(agent_name=self.agent_name, layout=layout, host=self._advertise_host,
                                 port=self._server.port, token=self._token)
 
     def _add_peer(self, peer: TcpAgentMetadata) -> None:  # type: ignore[override]

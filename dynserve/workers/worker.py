@@ -131,15 +131,24 @@ class _QueueSink:
 class EngineWorker:
     """One engine, one role. Construct it as a Ray actor (see `launch_worker`); `start()` before use."""
 
-    def __init__(self, settings: Settings, worker_id: str, role: Role = "both", host: str = "127.0.0.1",
-                 publish_events: bool = False) -> None:
+    def __init__(self, settings: Settings, worker_id: str, role: Role = "both", publish_events: bool = False
+                 ) -> None:
         """`publish_events`: register on the event plane (Redis at `settings.redis_url`, else the one embedded
-        in Ray), keep the lease alive, and publish every KV event there in order."""
+        in Ray), keep the lease alive, and publish every KV event there in order.
+
+        The ports the worker serves (its channel, KV transfer) listen on `Settings.serving_addresses` of its
+        node: announced at its Ray node's IP unless the node's environment says otherwise."""
         from dynserve.workers.engine_loop import EngineLoop, InlineEngineLoop
 
         if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
             settings = settings.model_copy(update={"num_threads": len(os.sched_getaffinity(0))})
-        self.worker_id, self.role, self.host = worker_id, role, host
+        node_ip = _ray_node_ip()
+        # Addresses belong to the node, not to the driver that sent these settings: inside Ray they come from
+        # this process's own environment (a worker pod's DYN_ADVERTISE_HOST, its pod IP) and Ray's node IP.
+        node = settings if node_ip is None else Settings()
+        bind_host, advertise_host = node.serving_addresses(node_ip)
+        settings = settings.model_copy(update={"bind_host": bind_host, "advertise_host": advertise_host})
+        self.worker_id, self.role, self.host, self.bind_host = worker_id, role, advertise_host, bind_host
         # The engine thread runs Python between kernels while holding the GIL; a short switch interval bounds
         # how long the channel's I/O thread waits to move a finished token (the default is 5 ms).
         sys.setswitchinterval(0.0005)
@@ -237,7 +246,7 @@ class EngineWorker:
             return self._info
         self._loop = asyncio.get_running_loop()
         self._runner.attach(self._loop)
-        self._server = await asyncio.start_server(self._serve_connection, self.host, 0)
+        self._server = await asyncio.start_server(self._serve_connection, self.bind_host, 0)
         port = self._server.sockets[0].getsockname()[1]
         self._info = WorkerInfo(
             worker_id=self.worker_id, role=self.role, host=self.host, port=port, model_id=self.engine.model_id,
@@ -435,6 +444,14 @@ def _undo_ray_niceness() -> None:
                 os.setpriority(os.PRIO_PROCESS, int(task), 0)
 
 
+def _ray_node_ip() -> str | None:
+    """The IP of the Ray node this process runs on (other nodes reach it there); None outside Ray."""
+    ray = sys.modules.get("ray")  # an actor has Ray imported; a standalone worker has not
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.util.get_node_ip_address()  # type: ignore[no-any-return]
+
+
 def _cuda_available() -> bool:
     import torch
 
@@ -465,7 +482,7 @@ def reserved_cpus(settings: Settings) -> float:
 
 def launch_worker(
     settings: Settings, worker_id: str, role: Role = "both", *, num_cpus: float | None = None,
-    num_gpus: float = 0.0, host: str = "127.0.0.1", publish_events: bool = False,
+    num_gpus: float = 0.0, publish_events: bool = False,
 ) -> tuple[Any, Any]:
     """Create the worker actor and start it; returns (actor handle, ObjectRef of its `WorkerInfo`).
 
@@ -484,5 +501,6 @@ def launch_worker(
     handle = actor_cls.options(
         num_cpus=num_cpus, num_gpus=num_gpus, name=f"dynserve-worker-{worker_id}", max_concurrency=1000,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
-    ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, host, publish_events)
+        scheduling_strategy="SPREAD",  # a pool's workers on as many nodes as can take them: a lost node costs few
+    ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, publish_events)
     return handle, handle.start.remote()

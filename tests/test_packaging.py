@@ -1,0 +1,72 @@
+"""`pip install .` as a new user runs it: a fresh virtualenv, the CPU torch first (as `make setup` does), then
+dynserve with only the dependencies pyproject.toml declares, gives a `dynctl serve` that starts and answers.
+
+This is the one test that reaches the package registry; it installs without byte-compiling (the slow part of
+an install that proves nothing here) and serves mocker workers, so it adds under a minute to `make test`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import banner_port, stop_by_sigint, wait_for_line
+
+from dynserve.model.resolve import default_model_path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _pip(venv: Path, *args: str) -> None:
+    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
+                           "--disable-pip-version-check", *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding torch (CPU) and `pip install .` of this checkout, from a copy of its sources (so
+    the build leaves nothing in the work tree)."""
+    root = tmp_path_factory.mktemp("install")
+    source = root / "src"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv*", "build", "*.egg-info",
+                                                                 "__pycache__", ".pytest_cache", ".hypothesis",
+                                                                 "results"))
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    _pip(venv, "torch==2.13.0")
+    _pip(venv, str(source))
+    return venv
+
+
+def test_pip_install_gives_a_dynctl_serve_that_serves(installed: Path) -> None:
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    # the model package is data installed --no-deps by `make setup`, not a dependency: point at its file
+    command = [str(installed / "bin" / "dynctl"), "serve", "--port", "0", "--mocker", "cpu", "--workers", "1",
+               "--model", str(default_model_path())]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=installed)
+    try:
+        port = banner_port(wait_for_line(process, '"messages"', 180))
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
+        body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 4
+    finally:
+        try:
+            code, _rest = stop_by_sigint(process)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert code == 0
+    # the installed package is the one that served, not this checkout
+    where = subprocess.run([str(installed / "bin" / "python"), "-c", "import dynserve; print(dynserve.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=installed).stdout
+    assert str(installed) in where
