@@ -9,7 +9,8 @@
   its init and so every process of the namespace with it) ends the host whole, as pulling its plug would.
 
 `RayCluster(hosts, head=0, nodes={1: 1, 2: 1})` starts a Ray head (0 CPUs: nothing is placed there) on one
-host and Ray worker nodes on others, each with its own temp dir. Processes see `UCX_TLS=tcp,self` and
+host and Ray worker nodes on others (with the CPUs given, and a resource `host_<name>` naming the node), each
+with its own temp dir. Processes see `UCX_TLS=tcp,self` and
 `UCX_NET_DEVICES=eth1`, so NIXL moves pages over TCP between hosts, never through memory they share.
 
 The code that needs a host's network without a process of its own (the test's `openai` client) runs through
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["SUBNET", "Host", "HostProcess", "Hosts", "RayCluster", "cluster", "missing"]
+__all__ = ["SUBNET", "Host", "HostProcess", "Hosts", "RayCluster", "cluster", "dynctl_serve", "missing"]
 
 SUBNET = "198.18.0"  # a range reserved for benchmarking networks (RFC 2544): never anyone's real address
 _CLONE_NEWNET = 0x40000000
@@ -219,6 +222,12 @@ class Hosts:
             _ip_in(host.netns, "link", "set", "lo", "up")
             host.boot()
 
+    def pull_plug(self, host: Host) -> None:
+        """Lose `host` as a machine is lost: its link goes down first, so its connections end silently (no FIN,
+        no RST reaches anyone), then every process of it is killed."""
+        _ip_in(self.bridge_ns, "link", "set", f"p{self.hosts.index(host)}", "down")
+        host.stop()
+
     def close(self) -> None:
         for host in self.hosts:
             host.stop()
@@ -249,7 +258,9 @@ class RayCluster:
         self._start_node(self.head, ["--head", "--port", str(self.PORT), "--num-cpus", "0",
                                      "--include-dashboard=false"])
         for host, cpus in self.nodes.items():
-            self._start_node(host, ["--address", self.address, "--num-cpus", f"{cpus:g}"])
+            # a custom resource names each node, so a benchmark can place an actor on a given host
+            self._start_node(host, ["--address", self.address, "--num-cpus", f"{cpus:g}",
+                                    "--resources", json.dumps({f"host_{host.name}": 1})])
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -283,3 +294,46 @@ def cluster(num_hosts: int, nodes: dict[int, float], env: dict[str, str] | None 
     """Hosts and a Ray cluster on them, both gone on exit."""
     with Hosts(num_hosts) as hosts, RayCluster(hosts, nodes=nodes, env=env) as ray_cluster:
         yield hosts, ray_cluster
+
+
+@contextlib.contextmanager
+def dynctl_serve(ray_cluster: RayCluster, host: Host, *flags: str, timeout_s: float = 240) -> Iterator[str]:
+    """`dynctl serve --ray-address` of the cluster on `host`, its gateway on the host's address; yields the
+    gateway's URL once it serves, and stops it with SIGINT (it must exit 0) on the way out."""
+    dynctl = str(Path(sys.executable).parent / "dynctl")
+    process = host.popen([dynctl, "serve", "--ray-address", ray_cluster.address, "--host", host.ip, "--port", "0",
+                          *flags], env=ray_cluster.env, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not any('"messages"' in line for line in lines):  # the last line of its banner
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dynctl serve did not start on {host.name}:\n{''.join(lines)[-4000:]}")
+            lines.append(process.stderr.readline())  # type: ignore[union-attr]
+    except BaseException:
+        _stop(process)
+        raise
+    match = re.search(r"http://[^/\s]+:(\d+)/v1", "".join(lines))
+    assert match is not None
+    # keep reading its log: a full pipe would block the gateway's loop at its next log line
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    try:
+        yield f"http://{host.ip}:{match.group(1)}"
+    finally:
+        code = _stop(process)
+        reader.join(10)
+        process.stderr.close()  # type: ignore[union-attr]
+    if code != 0:
+        raise RuntimeError(f"dynctl serve exited {code}:\n{''.join(lines)[-4000:]}")
+
+
+def _stop(process: HostProcess) -> int:
+    """Ctrl-C, then SIGKILL after 30 s; the exit code."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+        raise

@@ -12,6 +12,7 @@ one's fastest repeat, `nixl_vs_memcpy_median_*` from median times. Every batch i
 NIXL's own progress thread on (`*_progress_thread_*`), the setting this layer turns off by default.
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.kv_transfer [--quick]
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.kv_transfer --hosts [--quick]   # across hosts (root)
 
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/`. UCX runs with
 `DYN_TRANSFER_UCX_TLS` / `DYN_TRANSFER_UCX_NET_DEVICES` when set, else cma,tcp,self on lo.
@@ -23,6 +24,7 @@ history: `docs/benchmarks.md` (kv_transfer).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -69,6 +71,10 @@ class KVAgent:
             self.add_connector(label, settings)
 
     def add_connector(self, label: str, settings: dict[str, Any]) -> None:
+        if "advertise_host" not in settings:  # across hosts: serve on this node's address
+            import ray
+
+            settings = {**settings, "advertise_host": ray.util.get_node_ip_address()}
         connector = make_connector(Settings(**settings), f"{self.name}-{label}")
         connector.register_kv_cache(self.cache)
         self.connectors[label] = connector
@@ -174,12 +180,50 @@ def _with_nixl_progress_thread(ray: Any, owner: Any, reader: Any, repeats: int) 
     return out
 
 
+def _hosts_driver(ray_address: str, repeats: int) -> None:
+    """The bandwidth part of `--hosts`, run on host a of the harness: the owner on host b, the reader on host c,
+    NIXL (UCX as the hosts' environment sets it) and TCP, contiguous 16 and 64 MiB; the figures as JSON."""
+    import ray
+
+    ray.init(address=ray_address, log_to_driver=False)
+    backends = ["nixl", "tcp"]
+    connectors = {backend: {"transfer_backend": backend} for backend in backends}
+    owner = ray.remote(KVAgent).options(num_cpus=1, resources={"host_b": 0.01}).remote("owner", 1, connectors)
+    reader = ray.remote(KVAgent).options(num_cpus=1, resources={"host_c": 0.01}).remote("reader", 2, connectors)
+    peers = _connect(ray, owner, reader, backends)
+    result: dict[str, Any] = {"reader": ray.get(reader.info.remote())}
+    for size_mib in (16, 64):
+        seconds = _measure(ray, reader, peers, "contiguous", size_mib, repeats)
+        remote_ids, local_ids = _block_ids(size_mib, "contiguous")
+        for backend, peer in peers.items():
+            if not ray.get(reader.verify.remote(peer, backend, 1, remote_ids, local_ids)):
+                raise SystemExit(f"{backend} read the wrong bytes across hosts ({size_mib} MiB)")
+        result.update(_figures(seconds, size_mib, f"{size_mib}mib", {"memcpy": "memcpy", "nixl": "nixl",
+                                                                      "tcp": "fallback"}))
+    ray.get([owner.close.remote(), reader.close.remote()])
+    print(json.dumps(result))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, contiguous pattern only")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed repeats per size [default: 10, quick 8]")
+    parser.add_argument("--hosts", action="store_true",
+                        help="across hosts made of network namespaces (needs root): NIXL vs TCP bandwidth, and "
+                             "a remotely prefilled request's TTFT across hosts vs on one host")
+    parser.add_argument("--hosts-driver", metavar="RAY_ADDRESS", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.hosts_driver:
+        _hosts_driver(args.hosts_driver, args.repeats or (5 if args.quick else 10))
+        return
+    if args.hosts:
+        from benchmarks._across_hosts import across_hosts
+
+        result = {"benchmark": "kv_transfer_hosts", "commit": git_commit(), "quick": args.quick,
+                  "machine": machine_info(), **across_hosts(args.quick)}
+        write_result("kv_transfer_hosts", result)
+        return
     repeats = args.repeats or (8 if args.quick else 10)
     patterns = ("contiguous",) if args.quick else ("contiguous", "scattered")
     backends = ["nixl", "tcp"] if nixl_available() else ["tcp"]

@@ -144,7 +144,7 @@ def test_in_a_worker_the_mocker_steps_on_the_event_loop_at_the_profiles_pace(tok
     """The worker's driver for a mocker (`InlineEngineLoop`): no thread, steps paced by the loop's timer
     from `next_step_s`, the same tokens and modelled time as the sleeping offline engine."""
     from dynserve.protocol import GenerateRequest
-    from dynserve.workers.engine_loop import InlineEngineLoop
+    from dynserve.workers.inline_loop import InlineEngineLoop
 
     profile = _profile()
     prompts = [tokenizer.encode(f"Question {i}: " + "why is the sky blue? " * 30) for i in range(4)]
@@ -184,7 +184,7 @@ def test_the_inline_loop_sends_a_fast_engines_tokens_together_and_a_slow_ones_st
     """Steps far under a millisecond (a mocker at a high speedup): the tokens of several steps go out in one
     delivery, all of them, in order, the last at once. Steps of a few ms: each step's tokens alone."""
     from dynserve.protocol import GenerateRequest
-    from dynserve.workers.engine_loop import InlineEngineLoop
+    from dynserve.workers.inline_loop import InlineEngineLoop
 
     prompt = tokenizer.encode("Tell me a story.")
     params = SamplingParams(max_tokens=300, temperature=0)
@@ -261,7 +261,7 @@ def test_the_threaded_loop_hands_a_thread_safe_sinks_tokens_over_on_the_engine_t
 
 def test_stopping_the_inline_loop_fails_what_is_open_and_refuses_work(tokenizer: Tokenizer) -> None:
     from dynserve.protocol import GenerateRequest
-    from dynserve.workers.engine_loop import InlineEngineLoop
+    from dynserve.workers.inline_loop import InlineEngineLoop
 
     engine = MockEngine(Settings(mocker="cpu", kv_blocks=256), tokenizer, _profile(), sleep=False)
     prompt = tokenizer.encode("Tell me a story.")
@@ -296,7 +296,7 @@ def test_the_inline_loop_reads_a_remote_prefill_that_comes_during_the_last_step(
     takes its last step still gets its KV read and its answer (no wake-up is lost when the driver goes idle);
     a prefix-cache reset's KV event goes out at once though nothing steps."""
     from dynserve.protocol import AllBlocksCleared, GenerateRequest, RemotePrefill
-    from dynserve.workers.engine_loop import InlineEngineLoop
+    from dynserve.workers.inline_loop import InlineEngineLoop
 
     settings = Settings(mocker="cpu", kv_blocks=256)
     prefill, whole = _engine(tokenizer, kv_blocks=256), _engine(tokenizer, kv_blocks=256)
@@ -346,7 +346,8 @@ def test_a_step_that_can_schedule_nothing_waits_for_a_release_instead_of_spinnin
     """A prefill held under lease takes 7 of the 8 blocks; a prompt needing 4 cannot start. The driver waits
     (one empty step, not thousands) until the release frees them, then the prompt runs."""
     from dynserve.protocol import GenerateRequest
-    from dynserve.workers.engine_loop import EngineLoop, InlineEngineLoop
+    from dynserve.workers.engine_loop import EngineLoop
+    from dynserve.workers.inline_loop import InlineEngineLoop
 
     engine = MockEngine(Settings(mocker="cpu", kv_blocks=8, mocker_speedup=100.0), tokenizer, _profile(),
                         sleep=driver_kind == "thread")

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -23,9 +22,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import banner_port, stop_by_sigint, wait_for_line
 
-from benchmarks._hosts import Host, Hosts, RayCluster, missing
+from benchmarks._hosts import Host, Hosts, RayCluster, dynctl_serve, missing
 from dynserve.protocol import SamplingParams
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
@@ -67,31 +65,8 @@ def redis_on_d(fleet: tuple[Hosts, RayCluster]) -> Iterator[str]:
 def serving(fleet: tuple[Hosts, RayCluster], *flags: str) -> Iterator[str]:
     """`dynctl serve --ray-address` on host a with `flags`; yields the gateway's URL (on a's address)."""
     hosts, cluster = fleet
-    a = hosts[0]
-    process = a.popen([DYNCTL, "serve", "--ray-address", cluster.address, "--host", a.ip, "--port", "0", *flags],
-                      env=cluster.env, stderr=subprocess.PIPE, text=True)
-    try:
-        port = banner_port(wait_for_line(process, '"messages"', 240))
-    except BaseException:
-        if process.poll() is None:
-            stop_by_sigint(process)
-        raise
-    # keep reading its log: a full pipe would block the gateway's loop on its next log line
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)  # type: ignore[arg-type]
-    reader.start()
-    try:
-        yield f"http://{a.ip}:{port}"
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            code = process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-        reader.join(10)
-        process.stderr.close()  # type: ignore[union-attr]
-    assert code == 0, "".join(lines)[-3000:]
+    with dynctl_serve(cluster, hosts[0], *flags) as url:
+        yield url
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
@@ -119,6 +94,10 @@ def _dynserve_sockets(host: Host) -> list[tuple[str, int, str]]:
             address, _, port = line.split()[3].rpartition(":")
             sockets.append((address.strip("[]"), int(port), process.group(1)))
     return sockets
+
+
+def _is_loopback(address: str) -> bool:
+    return address.startswith("127.") or address in ("::1", "localhost")
 
 
 def _client(url: str) -> openai.OpenAI:
@@ -172,7 +151,7 @@ def test_aggregated_mockers_on_two_hosts(fleet: tuple[Hosts, RayCluster], plane:
             sockets = _dynserve_sockets(host)
             assert any(address == host.ip and "EngineWork" in process for address, _port, process in sockets), \
                 (host.name, sockets)
-            assert not [s for s in sockets if s[0].startswith("127.") or s[0] in ("::1", "localhost")], sockets
+            assert not [s for s in sockets if _is_loopback(s[0])], sockets
         result = a.call(lambda: _aggregated_checks(url))
         for first, repeat in zip(result["firsts"], result["repeats"], strict=True):
             assert first.usage.prompt_tokens == repeat.usage.prompt_tokens
@@ -204,8 +183,13 @@ def test_disaggregated_real_model_reads_pages_across_hosts(fleet: tuple[Hosts, R
     flags = ["--prefill-workers", "1", "--decode-workers", "1", "--kv-blocks", "256", "--transfer-backend", backend,
              "--disagg-local-prefill-tokens", "0", "--dtype", "float32"]
     with serving(fleet, *flags) as url:
-        placed = {host.name: [p for _a, _p, p in _dynserve_sockets(host) if "EngineWork" in p] for host in (b, c)}
+        placed = {host.name: _dynserve_sockets(host) for host in (b, c)}
         assert all(placed.values()), placed  # prefill on one host, decode on the other
+        # the channel and, with tcp, the KV page server: on the host's address, never loopback
+        assert not [s for sockets in placed.values() for s in sockets if _is_loopback(s[0])], placed
+        if backend == "tcp":
+            assert all(len({port for address, port, _p in sockets if address == host.ip}) >= 2
+                       for host, sockets in zip((b, c), placed.values(), strict=True)), placed
 
         def run() -> list[tuple[str, str]]:
             client = _client(url)
@@ -275,7 +259,7 @@ def test_a_lost_host_is_replaced_and_serving_goes_on(fleet: tuple[Hosts, RayClus
         with _Load(a, url) as load:
             time.sleep(4)
             lost_at = time.monotonic()
-            c.stop()  # the whole node at once: raylet, its workers, every socket of the host
+            hosts.pull_plug(c)  # silently: its link first, then raylet, workers and every socket of the host
             deadline = lost_at + 60
             while True:  # the pool starts a replacement on the host that remains
                 engines = [s for s in _dynserve_sockets(b) if "EngineWork" in s[2] and s[0] == b.ip]

@@ -36,7 +36,7 @@ from dynserve.config import Settings
 from dynserve.errors import ChannelError
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
-from dynserve.framing import encode_frame, read_frame
+from dynserve.framing import encode_frame, keep_alive, read_frame
 from dynserve.protocol import KVEvent, WorkerInfo
 
 __all__ = ["ACTOR_NAME", "DEFAULT_NAMESPACE", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
@@ -96,6 +96,7 @@ class EventPlaneActor:
                 # this node's own environment and Ray's node IP, as a worker's ports (see Settings)
                 bind_host, advertise_host = Settings().serving_addresses(ray.util.get_node_ip_address())
                 self._server = await asyncio.start_server(self._serve, bind_host, 0)
+                keep_alive(self._server.sockets[0])  # accepted connections inherit it: clients that vanish end
                 self._address = (advertise_host, self._server.sockets[0].getsockname()[1])
         return self._address
 
@@ -164,6 +165,7 @@ class _PlaneConnection:
         try:
             host, port = await handle.address.remote()
             reader, writer = await asyncio.open_connection(host, port)
+            keep_alive(writer.get_extra_info("socket"))
         except Exception as exc:  # a dead actor (Ray's errors) or a refused connection
             raise ConnectionError(f"the embedded event plane is unreachable: {exc}") from exc
         return cls(reader, writer)
@@ -217,7 +219,6 @@ class RayEventPlane(EventPlane):
                  max_len: int = 100_000) -> None:
         """`max_len`: the batches the actor keeps, when this call creates it."""
         import ray
-
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         name = ACTOR_NAME if namespace == DEFAULT_NAMESPACE else f"{ACTOR_NAME}-{namespace}"

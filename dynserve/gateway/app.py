@@ -9,7 +9,7 @@ completion routes too, from the same pydantic schemas that validate them.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -52,6 +52,18 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     """The gateway app; its lifespan connects to `workers` and starts polling their loads."""
     state = GatewayState(settings, workers, tokenizer)
     sets = [workers] if workers.prefill is None else [workers, workers.prefill]
+    _observe_workers(state, workers, sets)
+    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, workers, sets),
+                  description="OpenAI-compatible gateway of dynserve")
+    install_error_handlers(api)
+    _add_ops_routes(api, state, workers)
+    _add_model_routes(api, state)
+    api.openapi = lambda: _openapi_with_completions(api)  # type: ignore[method-assign]
+    return Gateway(state, api)
+
+
+def _observe_workers(state: GatewayState, workers: WorkerSet, sets: list[WorkerSet]) -> None:
+    """Hook the worker sets and the router into the gateway's metrics."""
     for worker_set in sets:
         worker_set._on_load = state.metrics.observe_load
         worker_set._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
@@ -62,6 +74,11 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     workers._on_fallback = lambda reason: state.metrics.disagg_fallbacks.labels(reason).inc()
     if workers.router is not None:
         state.metrics.watch_router(workers.router)
+
+
+def _lifespan(settings: Settings, workers: WorkerSet, sets: list[WorkerSet]
+              ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The FastAPI lifespan: connect to the workers, and feed each KV router from the event plane."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -83,12 +100,11 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
             await asyncio.gather(*(plane.close() for plane in planes), return_exceptions=True)
             await workers.stop()
 
-    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=lifespan,
-                  description="OpenAI-compatible gateway of dynserve")
-    install_error_handlers(api)
+    return lifespan
 
-    async def check_api_key(request: Request) -> None:
-        state.check_api_key(request.headers.get("authorization"))
+
+def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet) -> None:
+    """Liveness, readiness and metrics (no API key)."""
 
     @api.get("/health", tags=["ops"], summary="the process is alive")
     async def health() -> dict[str, str]:
@@ -105,6 +121,13 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_model_routes(api: FastAPI, state: GatewayState) -> None:
+    """The OpenAI model routes (behind the API key)."""
+
+    async def check_api_key(request: Request) -> None:
+        state.check_api_key(request.headers.get("authorization"))
+
     @api.get("/v1/models", dependencies=[Depends(check_api_key)], tags=["openai"])
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(state)]}
@@ -113,9 +136,6 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     async def get_model(model_id: str) -> dict[str, Any]:
         state.check_model(model_id)
         return _model_card(state)
-
-    api.openapi = lambda: _openapi_with_completions(api)  # type: ignore[method-assign]
-    return Gateway(state, api)
 
 
 def _model_card(state: GatewayState) -> dict[str, Any]:

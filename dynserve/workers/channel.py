@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
-from dynserve.framing import encode_frame, read_frame
+from dynserve.framing import encode_frame, keep_alive, read_frame
 from dynserve.protocol import (
     AbortRequest,
     ClientFrame,
@@ -203,6 +203,7 @@ class WorkerConnection:
                 f"cannot connect to worker {self.worker_id} at {self.info.host}:{self.info.port}: {exc}",
                 worker_id=self.worker_id,
             ) from exc
+        keep_alive(self._writer.get_extra_info("socket"))  # a worker whose machine vanished is an error
         self._closed_reason = None  # (asyncio and uvloop turn Nagle off on every TCP stream themselves)
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"channel-{self.worker_id}")
 

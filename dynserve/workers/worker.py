@@ -4,14 +4,15 @@ Ray places and starts the actor, and is how its owner asks for its info, load an
 tells it to stop. Token traffic goes over the channel (`channel.py`): `start()` opens a TCP listener in the
 actor's event loop and returns a `WorkerInfo` with its address. `generate()` is also offered as a Ray
 streaming generator for callers that hold only the actor handle; both paths feed the same engine driver
-(`engine_loop.py`: a thread for a model's engine, the actor's event loop for a mocker's).
+(`engine_loop.py`: a thread for a model's engine; `inline_loop.py`: the actor's event loop for a mocker's).
+With `publish_events` the worker registers on the event plane and publishes its KV events there
+(`registration.py`).
 
 Roles: `both` (aggregated), `prefill`, `decode`; the role labels the worker's load and metrics, and the
-pools and routers use it to pick workers. A prefill or decode worker with a model also owns a KV transfer
-connector (`kv_transfer/`) over its engine's KV cache: a prefill worker publishes the connector's metadata
-in its `WorkerInfo` (so in the registry); a decode worker reads prefilled pages with it, finding a prefill
-worker's metadata in the registry the first time it meets that worker. A mocker's reads are simulated
-(`MockEngine.simulate_read`). A read that fails costs a local prefill (the engine driver), never the request.
+pools and routers use it to pick workers. A prefill or decode worker also has a KV-transfer side
+(`transfer.py`): a prefill worker publishes its connector's metadata in its `WorkerInfo` (so in the
+registry); a decode worker reads prefilled pages from the prefill worker (a mocker's reads are simulated).
+A read that fails costs a local prefill (the engine driver), never the request.
 
 Draining (`drain`): the worker refuses new requests (retryable, so a gateway that has not yet seen it leave
 retries elsewhere), leaves the registry, lets its in-flight requests finish, then closes its channels after
@@ -29,21 +30,14 @@ import contextlib
 import logging
 import os
 import sys
-import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import msgspec
 
 from dynserve.config import Settings
-from dynserve.errors import (
-    ChannelError,
-    InvalidRequestError,
-    KVTransferError,
-    KVTransferTimeoutError,
-    WorkerUnavailableError,
-)
-from dynserve.framing import encode_frame, read_frame
+from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.framing import encode_frame, keep_alive, read_frame
 from dynserve.protocol import (
     AbortRequest,
     ClientFrame,
@@ -61,6 +55,8 @@ from dynserve.protocol import (
     WorkerLoad,
 )
 from dynserve.workers.channel import FrameWriter
+from dynserve.workers.registration import Registration
+from dynserve.workers.transfer import WorkerTransfer
 
 __all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_worker", "reserved_cpus"]
 
@@ -70,14 +66,6 @@ Role = Literal["both", "prefill", "decode"]
 # a mocker waits through its steps on its event loop: 64 of them fit in a 2-CPU Ray node
 MOCKER_NUM_CPUS = 0.01
 _CLIENT_FRAMES = msgspec.msgpack.Decoder(ClientFrame)
-
-
-# KV events: at most one publish per 50 ms while they keep coming, so a busy worker's steps batch up into
-# one publish (each costs the plane's actor CPU; at 50 ms the frontend benchmark's machine spent 8% less
-# CPU in all than at 20: docs/benchmarks.md). A router sees a stream's blocks at most this much later;
-# the first events after a quiet spell still go out at once, and a conversation's next turn comes seconds
-# later.
-_PUBLISH_INTERVAL_S = 0.05
 
 
 class _ConnectionSink:
@@ -138,7 +126,8 @@ class EngineWorker:
 
         The ports the worker serves (its channel, KV transfer) listen on `Settings.serving_addresses` of its
         node: announced at its Ray node's IP unless the node's environment says otherwise."""
-        from dynserve.workers.engine_loop import EngineLoop, InlineEngineLoop
+        from dynserve.workers.engine_loop import EngineLoop
+        from dynserve.workers.inline_loop import InlineEngineLoop
 
         if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
             settings = settings.model_copy(update={"num_threads": len(os.sched_getaffinity(0))})
@@ -157,8 +146,7 @@ class EngineWorker:
             settings.device == "cpu" or (settings.device == "auto" and not _cuda_available()))
         self._settings = settings
         self._publish_events = publish_events
-        self._outbox: asyncio.Queue[list[KVEvent]] | None = None
-        self._background: list[asyncio.Task[None]] = []
+        self._registration: Registration | None = None  # on the event plane, from `start` (publish_events)
         on_kv_events = self._queue_kv_events if publish_events else None
         self._runner: EngineLoop | InlineEngineLoop
         if settings.mocker is not None:  # microseconds of Python a step: it steps on this actor's event loop
@@ -167,79 +155,16 @@ class EngineWorker:
             self._runner = EngineLoop(lambda: _build_engine(settings), name=f"engine-{worker_id}",
                                       nice=settings.engine_nice if on_cpu else 0, on_kv_events=on_kv_events)
         self.engine = self._runner.start()  # loads the model on the engine's own thread
-        self.connector: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._transfer: WorkerTransfer | None = None
         if role != "both":
-            self._setup_transfer()
+            self._transfer = WorkerTransfer(settings, worker_id, self.engine)
+            self._runner.kv_reader = self._transfer.read
         self._server: asyncio.Server | None = None
         self._info: WorkerInfo | None = None
         self._draining = False
-        self._plane: Any = None
-        self._heartbeat: asyncio.Task[None] | None = None
         self._sinks: set[_ConnectionSink] = set()
         self._num_ray_streams = 0
-
-    def _setup_transfer(self) -> None:
-        """Give the engine its identity as a KV source and the loop its KV reader (see the module doc)."""
-        self.engine.kv_source_id = self.worker_id
-        if self._settings.mocker is not None:
-            self._runner.kv_reader = self._read_simulated
-            return
-        import uuid
-
-        from dynserve.kv_transfer import make_connector
-
-        # a restarted worker keeps its id but is a new agent: peers must not reuse the old connection
-        self.connector = make_connector(self._settings, f"{self.worker_id}-{uuid.uuid4().hex[:8]}")
-        self.connector.register_kv_cache(self.engine.runner.kv_cache)
-        self.engine.kv_agent_name = self.connector.agent_name
-        self._runner.kv_reader = self._read_kv
-
-    def _injected_fault(self, plan: Any) -> None:
-        fault = self._settings.transfer_fault
-        if fault == "error":
-            raise KVTransferError("injected transfer fault", backend="fault-injection", peer=plan.source_worker_id,
-                                  num_blocks=len(plan.local_block_ids))
-        if fault == "timeout":
-            import time
-
-            timeout_s = self._settings.transfer_timeout_s
-            time.sleep(timeout_s)
-            raise KVTransferTimeoutError(
-                "injected transfer stall", backend="fault-injection", peer=plan.source_worker_id,
-                num_blocks=len(plan.local_block_ids), timeout_s=timeout_s, elapsed_s=timeout_s, cancelled=True)
-
-    def _read_simulated(self, plan: Any) -> None:
-        self._injected_fault(plan)
-        self.engine.simulate_read(plan)
-
-    def _read_kv(self, plan: Any) -> None:
-        """On a read thread: the prefill worker's blocks into ours, meeting that worker first if needed."""
-        self._injected_fault(plan)
-        peer = plan.agent_name
-        if peer is None:
-            raise KVTransferError(f"worker {plan.source_worker_id} offers no transfer agent", backend="none")
-        if peer not in self.connector.peers:
-            self._meet(plan.source_worker_id, peer)
-        try:
-            self.connector.read_blocks(peer, plan.remote_block_ids, plan.local_block_ids)
-        except KVTransferError:
-            self.connector.remove_peer(peer)  # reconnect next time: the peer may have restarted
-            raise
-
-    def _meet(self, worker_id: str, agent_name: str) -> None:
-        """Add the transfer agent of `worker_id` as a peer, from its record in the registry."""
-        if self._plane is None or self._loop is None:
-            raise KVTransferError("this worker has no registry to find its peers in", backend=self.connector.backend,
-                                  peer=agent_name)
-        listed = asyncio.run_coroutine_threadsafe(self._plane.workers(), self._loop).result(timeout=5.0)
-        info = next((i for i in listed if i.worker_id == worker_id and i.kv_agent is not None), None)
-        if info is None or info.kv_agent is None:
-            raise KVTransferError(f"worker {worker_id} is not in the registry", backend=self.connector.backend,
-                                  peer=agent_name)
-        if self.connector.add_peer(info.kv_agent) != agent_name:
-            raise KVTransferError(f"worker {worker_id} now runs another transfer agent",
-                                  backend=self.connector.backend, peer=agent_name)
 
     async def start(self) -> WorkerInfo:
         if self._info is not None:
@@ -247,56 +172,30 @@ class EngineWorker:
         self._loop = asyncio.get_running_loop()
         self._runner.attach(self._loop)
         self._server = await asyncio.start_server(self._serve_connection, self.bind_host, 0)
+        keep_alive(self._server.sockets[0])  # inherited by each connection: a gateway that vanished ends
         port = self._server.sockets[0].getsockname()[1]
         self._info = WorkerInfo(
             worker_id=self.worker_id, role=self.role, host=self.host, port=port, model_id=self.engine.model_id,
             max_model_len=self.engine.max_model_len, block_size=self.engine.block_manager.block_size,
             num_blocks=self.engine.block_manager.num_blocks,
-            kv_agent=self.connector.metadata() if self.connector is not None and self.role == "prefill" else None,
+            kv_agent=(self._transfer.metadata() if self._transfer is not None and self.role == "prefill"
+                      else None),
         )
         logger.info("worker %s (%s) serving %s on %s:%d", self.worker_id, self.role, self.engine.model_id,
                     self.host, port)
         if self._publish_events:
             from dynserve.events.ray_plane import connect_event_plane
 
-            self._plane = plane = connect_event_plane(self._settings.redis_url, self._settings.namespace)
-            await plane.register(self._info, self._settings.worker_lease_s)
-            self._outbox = asyncio.Queue()
-            self._heartbeat = asyncio.create_task(self._heartbeat_forever(plane))
-            self._background = [asyncio.create_task(self._publish_forever(plane)), self._heartbeat]
+            plane = connect_event_plane(self._settings.redis_url, self._settings.namespace)
+            self._registration = Registration(plane, self.worker_id, self._settings.worker_lease_s)
+            if self._transfer is not None:
+                self._transfer.use_registry(plane, self._loop)  # where a decode worker meets its peers
+            await self._registration.join(self._info)
         return self._info
 
     def _queue_kv_events(self, events: list[KVEvent]) -> None:
-        if self._outbox is not None:
-            self._outbox.put_nowait(events)
-
-    async def _publish_forever(self, plane: Any) -> None:
-        """One publisher, so events reach the plane in the order the engine emitted them. Events after a quiet
-        spell go out at once; while they keep coming, at most one batch goes out per `_PUBLISH_INTERVAL_S`
-        (each publish is a call to the plane, which under load costs more CPU than the routing it informs)."""
-        assert self._outbox is not None
-        last_publish_s = -_PUBLISH_INTERVAL_S
-        while True:
-            events = await self._outbox.get()
-            wait_s = last_publish_s + _PUBLISH_INTERVAL_S - time.monotonic()
-            if wait_s > 0:  # a stream of events: the steps of the interval go out as one batch
-                await asyncio.sleep(wait_s)
-            last_publish_s = time.monotonic()
-            while not self._outbox.empty():
-                events = events + self._outbox.get_nowait()
-            try:
-                await plane.publish(self.worker_id, events)
-            except Exception:  # the plane is down: routers will see the gap and resync
-                logger.exception("worker %s could not publish %d KV events", self.worker_id, len(events))
-
-    async def _heartbeat_forever(self, plane: Any) -> None:
-        assert self._info is not None
-        while True:
-            await asyncio.sleep(self._settings.worker_lease_s / 3)
-            try:
-                await plane.register(self._info, self._settings.worker_lease_s)
-            except Exception:
-                logger.exception("worker %s could not renew its lease", self.worker_id)
+        if self._registration is not None:
+            self._registration.queue_kv_events(events)
 
     async def _send_snapshot(self, sink: _ConnectionSink) -> None:
         hashes, last_event_id = await self.kv_snapshot()
@@ -359,15 +258,8 @@ class EngineWorker:
         self._draining = True
         if self._server is not None:
             self._server.close()  # no new connections; the open ones keep streaming
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
-        if self._plane is not None:
-            try:
-                await self._plane.deregister(self.worker_id)
-            except Exception:  # the plane is down: the lease runs out instead
-                logger.exception("worker %s could not leave the registry", self.worker_id)
+        if self._registration is not None:
+            await self._registration.leave()
         # a no-op call through the command queue: every request submitted before now is open in the loop
         await asyncio.wrap_future(self._runner.call(lambda _engine: None))
         deadline_s = asyncio.get_running_loop().time() + timeout_s
@@ -391,11 +283,11 @@ class EngineWorker:
         self._draining = True
         if self._server is not None:
             self._server.close()
-        for task in self._background:
-            task.cancel()
+        if self._registration is not None:
+            self._registration.cancel()
         await asyncio.to_thread(self._runner.stop)
-        if self.connector is not None:
-            self.connector.close()
+        if self._transfer is not None:
+            self._transfer.close()
 
     # ---- the channel ---------------------------------------------------------------------------------
 
