@@ -7,7 +7,7 @@ the other, each on a fresh server, both with the kv router and the gateway's def
 
 1. **disagg**: `--prefill-workers 2 --decode-workers 2`: a prompt prefills on a prefill worker, its KV moves
    to a decode worker, which streams the answer (the gateway still prefills a prompt on the decode worker
-   while the prefill workers report more than `--disagg-max-prefill-queue`, 8, waiting each);
+   while the prefill workers have `--disagg-max-prefill-queue`, default 2, requests each queued or running);
 2. **agg**: `--workers 4`, each worker prefilling and decoding (chunked prefill, up to 8,192 tokens a step).
 
 Workload (fixed seed): prompts of exactly 3,000 token ids drawn at random from the vocabulary's plain words,
