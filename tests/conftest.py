@@ -6,6 +6,7 @@ TRITON_INTERPRET must be set before anything imports triton, so it is set here, 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("DYN_ADVERTISE_HOST", "127.0.0.1")
 
 from collections.abc import Callable, Iterator  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from typing import Any  # noqa: E402
 
 import pytest  # noqa: E402
@@ -234,3 +236,37 @@ def stop_by_sigint(process: subprocess.Popen[str]) -> tuple[int, str]:
     rest = process.stderr.read()  # type: ignore[union-attr]
     process.stderr.close()  # type: ignore[union-attr]
     return code, rest
+
+
+@dataclass
+class Served:
+    """A `dynctl serve` started by `local_dynctl_serve`: its banner and port; after the block, its exit code
+    and the rest of its stderr."""
+
+    banner: str
+    port: int
+    code: int | None = None
+    rest: str = ""
+
+
+@contextlib.contextmanager
+def local_dynctl_serve(command: list[str], timeout_s: float, env: dict[str, str] | None = None,
+                       cwd: Any = None) -> Iterator[Served]:
+    """Run `command` (a `dynctl serve ... --port 0`) with a local Ray of its own: RAY_TMPDIR a fresh short dir
+    (Ray's socket paths must stay under 108 bytes), no RAY_ADDRESS. Yields once its banner is out (port 0: a
+    port picked beforehand could be taken by Ray's own start-up; the banner names the one bound); on the way
+    out, Ctrl-C (`code`, `rest`) and the Ray dir removed."""
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env = {**(os.environ if env is None else env), "RAY_TMPDIR": ray_tmp}
+    env.pop("RAY_ADDRESS", None)
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    try:
+        banner = wait_for_line(process, '"messages"', timeout_s)  # the last line of the banner
+        served = Served(banner, banner_port(banner))
+        yield served
+    finally:
+        try:
+            code, rest = stop_by_sigint(process)
+        finally:
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    served.code, served.rest = code, rest

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
-from conftest import banner_port, stop_by_sigint, wait_for_line
+from conftest import local_dynctl_serve
 
 DYNCTL = str(Path(sys.executable).parent / "dynctl")
 
@@ -29,25 +27,16 @@ def test_bad_flag_values_exit_2_with_a_message() -> None:
 
 
 def test_serve_answers_chat_and_stops_on_ctrl_c() -> None:
-    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    env = {**os.environ, "DYN_KV_BLOCKS": "256", "DYN_API_KEY": "k3y", "RAY_TMPDIR": ray_tmp}
-    env.pop("RAY_ADDRESS", None)
-    # port 0: a port picked beforehand could be taken by Ray's own start-up; the banner names the one bound
-    process = subprocess.Popen([DYNCTL, "serve", "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        text = wait_for_line(process, '"messages"', 240)  # the last line of the banner
-        port = banner_port(text)
-        assert f"http://localhost:{port}/v1" in text and "curl" in text and "k3y" not in text
+    env = {**os.environ, "DYN_KV_BLOCKS": "256", "DYN_API_KEY": "k3y"}
+    with local_dynctl_serve([DYNCTL, "serve", "--port", "0"], 240, env) as served:
+        port = served.port
+        assert f"http://localhost:{port}/v1" in served.banner and "curl" in served.banner
+        assert "k3y" not in served.banner
         body = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "Say hello."}],
                 "max_tokens": 8}
         url = f"http://127.0.0.1:{port}/v1/chat/completions"
         assert httpx.post(url, json=body, timeout=60).status_code == 401  # DYN_API_KEY took effect
         answer = httpx.post(url, json=body, headers={"Authorization": "Bearer k3y"}, timeout=60)
         assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"]
-    finally:
-        try:
-            code, rest = stop_by_sigint(process)
-        finally:
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert code == 0
-    assert "stopped" in rest
+    assert served.code == 0
+    assert "stopped" in served.rest

@@ -7,11 +7,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import banner_port, replay_event_plane, stop_by_sigint, wait_for_line
+from conftest import local_dynctl_serve, replay_event_plane, stop_by_sigint, wait_for_line
 
 from dynserve.config import Settings
 from dynserve.model.resolve import default_model_path
@@ -536,48 +534,34 @@ def test_standalone_mocker_serves_the_openai_client() -> None:
 
 
 def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
-    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
-    env.pop("RAY_ADDRESS", None)
     dynctl = str(Path(sys.executable).parent / "dynctl")
-    process = subprocess.Popen([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
-                                "--port", "0"], env=env, stderr=subprocess.PIPE, text=True)
-    try:  # port 0: a port picked beforehand could be taken by Ray's own start-up; the banner names the one bound
-        banner = wait_for_line(process, '"messages"', 120)
-        port = banner_port(banner)
-        assert "2 mocker workers" in banner and "profile cpu" in banner
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with local_dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
+                             "--port", "0"], 120, env) as served:
+        port = served.port
+        assert "2 mocker workers" in served.banner and "profile cpu" in served.banner
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
         assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"] == ["w-0", "w-1"]
-    finally:
-        code, rest = stop_by_sigint(process)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert code == 0 and "stopped" in rest
+    assert served.code == 0 and "stopped" in served.rest
 
 
 def test_dynctl_serve_mocker_disaggregated() -> None:
-    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_TMPDIR": ray_tmp}
-    env.pop("RAY_ADDRESS", None)
     dynctl = str(Path(sys.executable).parent / "dynctl")
-    process = subprocess.Popen([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--prefill-workers",
-                                "1", "--decode-workers", "1", "--disagg-local-prefill-tokens", "0", "--port", "0"],
-                               env=env, stderr=subprocess.PIPE, text=True)
-    try:
-        banner = wait_for_line(process, '"messages"', 120)
-        port = banner_port(banner)
-        assert "1 prefill + 1 decode mocker workers" in banner
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with local_dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--prefill-workers",
+                             "1", "--decode-workers", "1", "--disagg-local-prefill-tokens", "0", "--port", "0"],
+                            120, env) as served:
+        port = served.port
+        assert "1 prefill + 1 decode mocker workers" in served.banner
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
         answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 8
         assert httpx.get(f"http://127.0.0.1:{port}/ready", timeout=10).json()["workers"] == ["d-0"]
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         assert 'dynserve_disagg_requests_total{path="remote"} 1.0' in metrics
-    finally:
-        code, rest = stop_by_sigint(process)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert code == 0 and "stopped" in rest
+    assert served.code == 0 and "stopped" in served.rest
 
 
 def test_dynctl_serve_refuses_prefill_workers_without_decode_workers() -> None:

@@ -11,12 +11,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import banner_port, stop_by_sigint, wait_for_line
+from conftest import local_dynctl_serve
 
 from dynserve.model.resolve import default_model_path
 
@@ -46,26 +45,17 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_pip_install_gives_a_dynctl_serve_that_serves(installed: Path) -> None:
-    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # Ray's socket paths must stay under 108 bytes
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     # the model package is data installed --no-deps by `make setup`, not a dependency: point at its file
     command = [str(installed / "bin" / "dynctl"), "serve", "--port", "0", "--mocker", "cpu", "--workers", "1",
                "--model", str(default_model_path())]
-    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=installed)
-    try:
-        port = banner_port(wait_for_line(process, '"messages"', 180))
-        models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
+    with local_dynctl_serve(command, 180, env, cwd=installed) as served:
+        models = httpx.get(f"http://127.0.0.1:{served.port}/v1/models", timeout=30).json()
         body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
-        answer = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60)
+        answer = httpx.post(f"http://127.0.0.1:{served.port}/v1/chat/completions", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
         assert answer.json()["usage"]["completion_tokens"] == 4
-    finally:
-        try:
-            code, _rest = stop_by_sigint(process)
-        finally:
-            shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert code == 0
+    assert served.code == 0
     # the installed package is the one that served, not this checkout
     where = subprocess.run([str(installed / "bin" / "python"), "-c", "import dynserve; print(dynserve.__file__)"],
                            capture_output=True, text=True, check=True, cwd=installed).stdout
