@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from benchmarks._common import log
 from benchmarks._hosts import Host, Hosts, RayCluster, dynctl_serve
 
@@ -75,7 +77,7 @@ def _disaggregated(nodes: dict[int, float], prompts: list[str]) -> list[tuple[fl
         a: Host = hosts[0]
         with dynctl_serve(cluster, a, *flags) as url:
             timings = a.call(lambda: _time_requests(url, prompts))
-            metrics = a.call(lambda: __import__("httpx").get(f"{url}/metrics", timeout=10).text)
+            metrics = a.call(lambda: httpx.get(f"{url}/metrics", timeout=10).text)
     if 'dynserve_disagg_fallbacks_total{reason="transfer_error"} 0.0' not in metrics:
         raise RuntimeError("a KV transfer fell back to a local prefill")
     return timings

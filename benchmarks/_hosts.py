@@ -130,15 +130,16 @@ class Host:
                                f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         return done
 
-    def listening(self) -> list[tuple[str, int]]:
-        """(address, port) of every TCP socket listening on this host."""
-        out = subprocess.run(["ip", "netns", "exec", self.netns, "ss", "-ltnH"], capture_output=True, text=True,
+    def listening(self) -> list[tuple[str, int, str]]:
+        """(address, port, process name) of every TCP socket listening on this host (the name as the kernel
+        keeps it: 15 characters at most, e.g. 'ray::EngineWork')."""
+        out = subprocess.run(["ip", "netns", "exec", self.netns, "ss", "-ltnpH"], capture_output=True, text=True,
                              check=True, timeout=30).stdout
         sockets = []
         for line in out.splitlines():
-            local = line.split()[3]
-            address, _, port = local.rpartition(":")
-            sockets.append((address.strip("[]"), int(port)))
+            address, _, port = line.split()[3].rpartition(":")
+            process = re.search(r'users:\(\("([^"]+)"', line)
+            sockets.append((address.strip("[]"), int(port), process.group(1) if process else ""))
         return sockets
 
     def call(self, fn: Callable[[], T], timeout_s: float = 600) -> T:

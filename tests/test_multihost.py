@@ -53,7 +53,7 @@ def redis_on_d(fleet: tuple[Hosts, RayCluster]) -> Iterator[str]:
     process = d.popen([binary, "--bind", d.ip, "--port", "6379", "--save", "", "--appendonly", "no",
                        "--protected-mode", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 10
-    while (d.ip, 6379) not in d.listening():
+    while (d.ip, 6379) not in [(address, port) for address, port, _name in d.listening()]:
         assert process.poll() is None and time.monotonic() < deadline, "redis-server did not start on host d"
         time.sleep(0.05)
     yield f"redis://{d.ip}:6379/0"
@@ -85,15 +85,7 @@ def _metrics(a: Host, url: str) -> str:
 
 def _dynserve_sockets(host: Host) -> list[tuple[str, int, str]]:
     """(address, port, process) of the listening sockets of dynserve's Ray actors on `host`."""
-    out = subprocess.run(["ip", "netns", "exec", host.netns, "ss", "-ltnpH"], capture_output=True, text=True,
-                         check=True, timeout=30).stdout
-    sockets = []
-    for line in out.splitlines():
-        process = re.search(r'users:\(\("([^"]+)"', line)
-        if process and process.group(1).startswith(("ray::EngineWork", "ray::EventPlane")):
-            address, _, port = line.split()[3].rpartition(":")
-            sockets.append((address.strip("[]"), int(port), process.group(1)))
-    return sockets
+    return [s for s in host.listening() if s[2].startswith(("ray::EngineWork", "ray::EventPlane"))]
 
 
 def _is_loopback(address: str) -> bool:
