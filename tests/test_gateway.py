@@ -299,6 +299,7 @@ def test_disconnect_frees_the_workers_blocks_within_1s(gateway: Any, worker: Any
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 500, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200, response.read()
         tokens = 0
         for line in response.iter_lines():
             if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
