@@ -18,6 +18,7 @@ _CLUSTER: dict[str, Any] = {"group": "cluster"}
 _POOL: dict[str, Any] = {"group": "pool"}
 _MOCKER: dict[str, Any] = {"group": "mocker"}
 _TRANSFER: dict[str, Any] = {"group": "transfer"}
+_METRICS: dict[str, Any] = {"group": "metrics"}
 
 
 class Settings(BaseSettings):
@@ -168,6 +169,21 @@ class Settings(BaseSettings):
     transfer_port: int = Field(0, ge=0, le=65535, description="tcp: the port a worker serves its KV pages on "
                                "(0: any free port), at its bind_host", json_schema_extra=_TRANSFER)
 
+    # ---- metrics (dynserve.observability; each worker's own port: dynserve.workers.metrics) ----
+    worker_metrics: bool = Field(True, description="each worker serves Prometheus metrics on its own port, "
+                                 "announced in the worker registry", json_schema_extra=_METRICS)
+    worker_metrics_port: int = Field(0, ge=0, le=65535, description="the port a worker serves its metrics on, "
+                                     "at its bind_host (0: any free port; set one where each worker has its own "
+                                     "address, e.g. a pod)", json_schema_extra=_METRICS)
+    prometheus: bool = Field(False, description="dynctl serve: run a Prometheus (the `prometheus` binary) on a "
+                             "free local port that scrapes the gateway and follows the workers as they come and "
+                             "go, with dynserve's recording rules; prints its URL", json_schema_extra=_METRICS)
+    prometheus_url: str | None = Field(None, description="an existing Prometheus that scrapes the fleet (point "
+                                       "its http_sd_configs at the gateway's /metrics/targets); dynctl top "
+                                       "reads it", json_schema_extra=_METRICS)
+    scrape_interval_s: float = Field(5.0, gt=0, description="dynctl serve --prometheus: how often it scrapes "
+                                     "and evaluates the rules", json_schema_extra=_METRICS)
+
     def serving_addresses(self, node_ip: str | None) -> tuple[str, str]:
         """(bind, advertise): where a process's served ports listen and the address it announces for them.
 
@@ -181,6 +197,7 @@ class Settings(BaseSettings):
 
     @classmethod
     def field_names(cls, group: str) -> list[str]:
-        """Names of the fields in `group` ("engine", "gateway", "cluster", "pool", "mocker" or "transfer")."""
+        """Names of the fields in `group` ("engine", "gateway", "cluster", "pool", "mocker", "transfer" or
+        "metrics")."""
         return [name for name, f in cls.model_fields.items()
                 if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]

@@ -9,8 +9,9 @@
     │   ├── WorkerUnavailableError  its channel is closed or it is stopping: retry elsewhere
     │   └── ChannelError            a malformed frame on a worker channel
     ├── PoolError               a worker pool cannot do what was asked (unknown worker, a failed start)
-    └── KVTransferError         a KV-page transfer (or its setup: registration, a peer) failed
-        └── KVTransferTimeoutError  a read did not finish within its deadline
+    ├── KVTransferError         a KV-page transfer (or its setup: registration, a peer) failed
+    │   └── KVTransferTimeoutError  a read did not finish within its deadline
+    └── PrometheusError         Prometheus cannot be reached or refused a query
 
 Each error carries structured fields next to its message so callers (the gateway, the CLI) can map it
 to a status code or exit code without parsing strings.
@@ -27,6 +28,7 @@ __all__ = [
     "ModelLoadError",
     "ChannelError",
     "PoolError",
+    "PrometheusError",
     "WorkerError",
     "WorkerUnavailableError",
     "TokenizerError",
@@ -113,3 +115,11 @@ class KVTransferTimeoutError(KVTransferError):
         self.timeout_s = timeout_s
         self.elapsed_s = elapsed_s
         self.cancelled = cancelled
+
+
+class PrometheusError(DynserveError):
+    """Prometheus could not be reached, or refused a query (`query`: the PromQL, when there was one)."""
+
+    def __init__(self, message: str, *, url: str, query: str | None = None) -> None:
+        super().__init__(message)
+        self.url, self.query = url, query

@@ -222,6 +222,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     block_size: int
     num_blocks: int
     kv_agent: bytes | None = None  # transfer agent metadata (`KVConnector.metadata()`) of a prefill worker
+    metrics_port: int | None = None  # where it serves Prometheus metrics (at `host`), when it does
 
 
 class RequestTiming(msgspec.Struct, kw_only=True, frozen=True):

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dynserve"
 
 # The shared language: every part may import it, and it imports only itself.
 SHARED = {"dynserve.config", "dynserve.protocol", "dynserve.hashing", "dynserve.errors", "dynserve.framing"}
-PARTS = ["model", "engine", "workers", "kv_transfer", "router", "events", "gateway", "planner", "operator", "cli"]
+PARTS = ["model", "engine", "workers", "kv_transfer", "router", "events", "gateway", "observability", "planner",
+         "operator", "cli"]
 
 # part -> the parts of ours it may import besides the shared language and itself
 ALLOWED: dict[str, set[str]] = {
@@ -27,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "router": {"events"},
     "workers": {"model", "engine", "kv_transfer", "events"},
     "gateway": {"model", "router", "events", "workers"},
-    "planner": {"events"},
+    "observability": set(),
+    "planner": {"events", "observability"},
     "operator": set(),
     "cli": set(PARTS),
 }
@@ -39,6 +41,7 @@ FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "router": {"torch"},
     "gateway": {"torch"},
     "events": {"torch"},
+    "observability": {"torch", "ray"},
     "planner": {"torch"},
     "operator": {"torch", "ray"},
 }

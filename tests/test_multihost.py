@@ -255,7 +255,7 @@ def test_a_lost_host_is_replaced_and_serving_goes_on(fleet: tuple[Hosts, RayClus
             deadline = lost_at + 60
             while True:  # the pool starts a replacement on the host that remains
                 engines = [s for s in _dynserve_sockets(b) if "EngineWork" in s[2] and s[0] == b.ip]
-                if len(engines) == 2 and _metric(_metrics(a, url), "dynserve_worker_up") == 2:
+                if len(engines) == 2 and _metric(_metrics(a, url), "dynserve_gateway_worker_up") == 2:
                     break
                 assert time.monotonic() < deadline, (engines, _metrics(a, url))
                 time.sleep(0.5)

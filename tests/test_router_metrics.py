@@ -35,17 +35,17 @@ def test_decisions_show_mode_latency_overlap_and_routed_counts(mode: str) -> Non
         worker, _ = router.pick(prompt, ["a", "b"], {})
         router.routed(request_id, worker, 8)
         router.finished(request_id)
-    assert _value(metrics, "dynserve_router_info", mode=mode) == 1.0
-    assert _value(metrics, "dynserve_router_routed_requests_total", worker_id="a") == 2.0
-    assert _value(metrics, "dynserve_router_decision_seconds_count", mode=mode) == 2.0
-    decision_s = _value(metrics, "dynserve_router_decision_seconds_sum", mode=mode)
+    assert _value(metrics, "dynserve_router_info", pool="both", mode=mode) == 1.0
+    assert _value(metrics, "dynserve_router_routed_requests_total", pool="both", worker_id="a") == 2.0
+    assert _value(metrics, "dynserve_router_decision_seconds_count", pool="both") == 2.0
+    decision_s = _value(metrics, "dynserve_router_decision_seconds_sum", pool="both")
     assert decision_s is not None and 0 < decision_s < 0.5
     # kv: 6 of 8 blocks cached both times; approximate: none the first time, all 8 the second
-    ratio_sum = _value(metrics, "dynserve_router_overlap_ratio_sum", mode=mode)
+    ratio_sum = _value(metrics, "dynserve_router_overlap_ratio_sum", pool="both")
     assert ratio_sum == pytest.approx(1.5 if mode == "kv" else 1.0)
-    assert _value(metrics, "dynserve_router_index_blocks") == (6.0 if mode == "kv" else 8.0)
-    assert _value(metrics, "dynserve_router_index_workers") == 1.0
-    assert _value(metrics, "dynserve_router_hot_spot_picks_total") == 0.0
+    assert _value(metrics, "dynserve_router_index_blocks", pool="both") == (6.0 if mode == "kv" else 8.0)
+    assert _value(metrics, "dynserve_router_index_workers", pool="both") == 1.0
+    assert _value(metrics, "dynserve_router_hot_spot_picks_total", pool="both") == 0.0
 
 
 def test_approximate_memory_size_shrinks_at_scrape_once_expired() -> None:
@@ -55,9 +55,9 @@ def test_approximate_memory_size_shrinks_at_scrape_once_expired() -> None:
     metrics = GatewayMetrics()
     metrics.watch_router(router)
     router.pick(list(range(16)), ["a", "b"], {})
-    assert _value(metrics, "dynserve_router_index_blocks") == 4.0
+    assert _value(metrics, "dynserve_router_index_blocks", pool="both") == 4.0
     now_s[0] = 30.0
-    assert _value(metrics, "dynserve_router_index_blocks") == 0.0
+    assert _value(metrics, "dynserve_router_index_blocks", pool="both") == 0.0
 
 
 def test_hot_spot_picks_are_counted() -> None:
@@ -70,7 +70,7 @@ def test_hot_spot_picks_are_counted() -> None:
     assert router.pick(prompt, ["a", "b"], {}) == ("a", 100)  # lopsided, but under 50 blocks: cost 40 vs 100
     router.routed("r2", "a", 20)
     assert router.pick(prompt, ["a", "b"], {}) == ("b", 0)  # 60 blocks, 60 / 30 > 1.5: load wins
-    assert _value(metrics, "dynserve_router_hot_spot_picks_total") == 1.0
+    assert _value(metrics, "dynserve_router_hot_spot_picks_total", pool="both") == 1.0
 
 
 def test_baseline_modes_count_routes_but_no_overlap() -> None:
@@ -79,10 +79,10 @@ def test_baseline_modes_count_routes_but_no_overlap() -> None:
     metrics.watch_router(router)
     for request_id in ("r1", "r2", "r3"):
         router.routed(request_id, router.pick(list(range(8)), ["a", "b"], {})[0], 2)
-    assert _value(metrics, "dynserve_router_routed_requests_total", worker_id="a") == 2.0
-    assert _value(metrics, "dynserve_router_routed_requests_total", worker_id="b") == 1.0
-    assert _value(metrics, "dynserve_router_decision_seconds_count", mode="round_robin") == 3.0
-    assert _value(metrics, "dynserve_router_overlap_ratio_count", mode="round_robin") is None
+    assert _value(metrics, "dynserve_router_routed_requests_total", pool="both", worker_id="a") == 2.0
+    assert _value(metrics, "dynserve_router_routed_requests_total", pool="both", worker_id="b") == 1.0
+    assert _value(metrics, "dynserve_router_decision_seconds_count", pool="both") == 3.0
+    assert _value(metrics, "dynserve_router_overlap_ratio_count", pool="both") == 0.0  # exported at 0, never observed
 
 
 def test_event_lag_is_measured_from_the_publish_time_on_the_batch() -> None:
@@ -103,8 +103,8 @@ def test_event_lag_is_measured_from_the_publish_time_on_the_batch() -> None:
             await asyncio.sleep(0.005)
         elapsed_s = time.time() - before_s
         consumer.cancel()
-        assert _value(metrics, "dynserve_router_event_lag_seconds_count") == 2.0
-        lag_sum_s = _value(metrics, "dynserve_router_event_lag_seconds_sum")
+        assert _value(metrics, "dynserve_router_event_lag_seconds_count", pool="both") == 2.0
+        lag_sum_s = _value(metrics, "dynserve_router_event_lag_seconds_sum", pool="both")
         assert lag_sum_s is not None and 0 <= lag_sum_s <= 2 * elapsed_s
 
     asyncio.run(scenario())

@@ -77,10 +77,19 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", choices=["text", "json"], default="text")
     _add_settings_flags(gen, "engine")
 
+    top = sub.add_parser("top", help="a live view of a running fleet, from its Prometheus metrics")
+    top.add_argument("--prometheus-url", default=None, metavar="URL",
+                     help="Prometheus's base URL [env: DYN_PROMETHEUS_URL; default: http://127.0.0.1:9090]")
+    top.add_argument("--interval", type=float, default=2.0, metavar="S",
+                     help="seconds between frames [default: 2]")
+    top.add_argument("--once", action="store_true", help="print one frame and exit (1 if Prometheus fails)")
+    top.add_argument("--output", choices=["text", "json"], default="text",
+                     help="json: the view as JSON (live: one object per line) [default: text]")
+
     sub.add_parser("mocker", add_help=False,
                    help="one simulated worker behind the gateway, an OpenAI server (dynctl mocker --help)")
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
-    _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker", "transfer")
+    _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker", "transfer", "metrics")
     return parser
 
 
@@ -147,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "top":
+            from dynserve.cli.top import top
+
+            return top(prometheus_url=args.prometheus_url, interval_s=args.interval, once=args.once,
+                       output=args.output)
         if args.command == "serve":
             from dynserve.cli.serve import serve
 

@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     add_settings_group(parser, "gateway", aliases={"port": ["--http-port"]})
     add_settings_group(parser, "engine", only=_ENGINE_FLAGS)
     add_settings_group(parser, "cluster", only={"redis_url", "namespace", "advertise_host", "bind_host"})
+    add_settings_group(parser, "metrics", only={"worker_metrics", "worker_metrics_port"})
     return parser
 
 

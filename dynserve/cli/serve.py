@@ -6,8 +6,9 @@ decode workers, KV pages moving between them (see `gateway/backend.py`).
 
 Thin: it starts the parts the library provides (a `WorkerPool`, which replaces a worker that dies, and a
 gateway that follows the pool through the worker registry), shows progress while the workers load their
-model, prints where to send requests, and on Ctrl-C (or SIGTERM) stops the gateway, the workers and the
-Ray instance it started, in that order.
+model, prints where to send requests (and, with `--prometheus`, the URL of a Prometheus it runs that
+scrapes the fleet: `observability/prometheus.py`), and on Ctrl-C (or SIGTERM) stops the gateway, the
+Prometheus, the workers and the Ray instance it started, in that order.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ async def _start_pools(pools: list[tuple[Any, int]]) -> list[Any]:
         raise ModelLoadError(f"a worker failed to start: {exc}") from exc
 
 
-def _banner(settings: Settings, model_id: str, port: int) -> str:
+def _banner(settings: Settings, model_id: str, port: int, prometheus_url: str | None = None) -> str:
     kind = "worker" if settings.mocker is None else "mocker worker"
     if _disaggregated(settings):
         workers = (f"{settings.prefill_workers} prefill + {settings.decode_workers} decode {kind}s, "
@@ -84,8 +85,13 @@ def _banner(settings: Settings, model_id: str, port: int) -> str:
     host = "localhost" if settings.host in ("127.0.0.1", "0.0.0.0") else settings.host
     base = f"http://{host}:{port}"
     auth = ' -H "Authorization: Bearer $DYN_API_KEY"' if settings.api_key else ""
+    metrics = ""
+    if prometheus_url is not None:
+        own = "" if settings.prometheus_url else " (scraping this fleet)"
+        metrics = (f"Prometheus: {prometheus_url}{own}; scrape targets: {base}/metrics/targets; watch it live: "
+                   f"dynctl top --prometheus-url {prometheus_url}\n")
     return (
-        f"dynserve is serving {model_id} at {base}/v1 ({workers}). Ctrl-C stops it.\n"
+        f"dynserve is serving {model_id} at {base}/v1 ({workers}). Ctrl-C stops it.\n{metrics}"
         f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": "
         f"\"Hello! Who are you?\"}}], \"max_tokens\": 64}}'\n"
@@ -145,13 +151,42 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
     worker_settings = settings.model_copy(update={"num_threads": threads})
     pools = [(WorkerPool(worker_settings, name=name, role=role), n) for name, role, n in layout]  # type: ignore[arg-type]
     registry = pools[0][0].registry  # before any worker: the embedded event plane starts on this node
+    prometheus: list[Any] = []  # the Prometheus this command runs (--prometheus), once started
+    announced: list[asyncio.Task[None]] = []
     try:
         infos = await _start_pools(pools)
         app = make_gateway_app(settings, infos, tokenizer, registry=registry)
 
+        async def announce(port: int) -> None:
+            prometheus_url = settings.prometheus_url
+            if settings.prometheus:
+                prometheus_url = await _start_prometheus(settings, port, prometheus)
+            print(_banner(settings, infos[0].model_id, port, prometheus_url), file=sys.stderr, flush=True)
+
         def on_ready(port: int) -> None:
-            print(_banner(settings, infos[0].model_id, port), file=sys.stderr, flush=True)
+            announced.append(asyncio.get_running_loop().create_task(announce(port)))
 
         await serve_app_async(app, settings, on_ready)  # returns after SIGINT/SIGTERM and a graceful shutdown
     finally:
+        for task in announced:
+            task.cancel()
+        for server in prometheus:
+            await asyncio.to_thread(server.stop)
         await asyncio.gather(*(pool.close() for pool, _n in pools))
+
+
+async def _start_prometheus(settings: Settings, port: int, started: list[Any]) -> str | None:
+    """Run a Prometheus that scrapes this fleet through the gateway's `/metrics/targets`; its URL, or None
+    (and a warning: serving goes on) when it cannot start."""
+    from dynserve.errors import PrometheusError
+    from dynserve.observability.prometheus import PrometheusServer
+
+    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    server = PrometheusServer(f"http://{host}:{port}/metrics/targets", scrape_interval_s=settings.scrape_interval_s)
+    started.append(server)
+    try:
+        server.launch()  # on this (the main) thread: the process ends with it, however this one ends
+        return await asyncio.to_thread(server.wait_ready)
+    except PrometheusError as exc:
+        print(f"dynserve: Prometheus did not start ({exc}); serving without it", file=sys.stderr, flush=True)
+        return None

@@ -51,6 +51,7 @@ class BlockManager:
         self._hash_to_block: dict[BlockHash, int] = {}
         self._events: list[KVEvent] = []
         self._next_event_id = 0
+        self.num_evictions = 0  # cached blocks taken back for new content (LRU)
 
     # ---- capacity -------------------------------------------------------------------------------------
 
@@ -208,6 +209,7 @@ class BlockManager:
         else:
             block_id, _ = self._evictable.popitem(last=False)
             self._uncache(self.blocks[block_id])
+            self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
         return block_id
 

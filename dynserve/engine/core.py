@@ -56,7 +56,12 @@ class EngineStats:
     num_computed_prompt_tokens: int = 0  # tokens the model actually ran for prefill (chunks, recomputes)
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_generated_tokens: int = 0
+    num_decode_tokens: int = 0  # tokens the model ran as decodes (one per running sequence a step)
     num_preemptions: int = 0
+    # the last step that ran a batch: its sequences, and its tokens computed as prefill and as decode
+    last_batch_size: int = 0
+    last_prefill_tokens: int = 0
+    last_decode_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -323,10 +328,17 @@ class EngineCore(abc.ABC):
                 for seq, token_id, logprob in zip(samples.seqs, samples.token_ids, samples.logprobs, strict=True)]
 
     def _count_prefill(self, batch: ScheduledBatch) -> None:
+        stats = self.stats
+        num_decode = 0
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            if not is_decode(seq, num_new):
-                self.stats.num_computed_prompt_tokens += num_new
-        self.stats.num_cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
+            if is_decode(seq, num_new):
+                num_decode += 1
+        num_prefill = sum(batch.num_new_tokens) - num_decode
+        stats.num_computed_prompt_tokens += num_prefill
+        stats.num_decode_tokens += num_decode
+        stats.last_batch_size, stats.last_prefill_tokens, stats.last_decode_tokens = (
+            len(batch.seqs), num_prefill, num_decode)
+        stats.num_cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens
 
     def _append(self, request: _Request, token_id: int, logprob: TokenLogprob | None) -> TokenDelta:
         seq = request.seq

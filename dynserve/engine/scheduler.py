@@ -53,6 +53,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_reserved_blocks = max(1, block_manager.num_blocks // 100)
         self.num_preemptions = 0
+        # prefix-cache lookups at first admission: prompt tokens looked up, and those the cache held
+        self.num_queried_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at admission
 
     @property
@@ -126,6 +128,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 self.num_cached_prompt_tokens += seq.num_cached_tokens
+                self.num_queried_prompt_tokens += seq.num_tokens
             seq.status = SequenceStatus.RUNNING
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             self.running.append(seq)

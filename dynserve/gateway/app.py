@@ -26,7 +26,7 @@ from dynserve.gateway.http import AsgiHandler, Exchange
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from dynserve.model.tokenizer import Tokenizer
 
-__all__ = ["Gateway", "build_app"]
+__all__ = ["Gateway", "build_app", "scrape_targets"]
 
 
 class Gateway:
@@ -56,7 +56,7 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, workers, sets),
                   description="OpenAI-compatible gateway of dynserve")
     install_error_handlers(api)
-    _add_ops_routes(api, state, workers)
+    _add_ops_routes(api, state, workers, sets)
     _add_model_routes(api, state)
     api.openapi = lambda: _openapi_with_completions(api)  # type: ignore[method-assign]
     return Gateway(state, api)
@@ -72,8 +72,16 @@ def _observe_workers(state: GatewayState, workers: WorkerSet, sets: list[WorkerS
         state.metrics.expect_disaggregation()
     workers._on_disagg = lambda path: state.metrics.disagg_requests.labels(path).inc()
     workers._on_fallback = lambda reason: state.metrics.disagg_fallbacks.labels(reason).inc()
-    if workers.router is not None:
-        state.metrics.watch_router(workers.router)
+    for worker_set in sets:
+        if worker_set.router is not None:
+            state.metrics.watch_router(worker_set.router, pool=_pool_of(worker_set))
+
+
+def _pool_of(worker_set: WorkerSet) -> str:
+    """The pool label of a worker set: prefill or decode when serving disaggregated, else both."""
+    if worker_set.roles == frozenset({"prefill"}):
+        return "prefill"
+    return "decode" if worker_set.prefill is not None else "both"
 
 
 def _lifespan(settings: Settings, workers: WorkerSet, sets: list[WorkerSet]
@@ -103,8 +111,8 @@ def _lifespan(settings: Settings, workers: WorkerSet, sets: list[WorkerSet]
     return lifespan
 
 
-def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet) -> None:
-    """Liveness, readiness and metrics (no API key)."""
+def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet, sets: list[WorkerSet]) -> None:
+    """Liveness, readiness, metrics and the fleet's scrape targets (no API key)."""
 
     @api.get("/health", tags=["ops"], summary="the process is alive")
     async def health() -> dict[str, str]:
@@ -120,6 +128,26 @@ def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet) -> No
     @api.get("/metrics", tags=["ops"], summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/metrics/targets", tags=["ops"], summary="Prometheus HTTP service discovery: this gateway and its "
+             "workers' metrics endpoints")
+    async def metrics_targets(request: Request) -> list[dict[str, Any]]:
+        return scrape_targets(request.headers.get("host", f"{state.settings.host}:{state.settings.port}"), sets)
+
+
+def scrape_targets(gateway_address: str, sets: list[WorkerSet]) -> list[dict[str, Any]]:
+    """Prometheus's HTTP SD document for the fleet this gateway serves: the gateway (at the address its
+    scraper reached it by) and every member worker that serves metrics, one target group each, labelled
+    `component` (the workers' series carry their own `worker_id`, `role`, `model`). The registry decides the
+    members, so a worker that joins is listed by the next refresh and one that leaves or dies is not."""
+    groups: list[dict[str, Any]] = [{"targets": [gateway_address], "labels": {"component": "gateway"}}]
+    for worker_set in sets:
+        for worker_id in sorted(worker_set.connections):
+            info = worker_set.connections[worker_id].info
+            if info.metrics_port is not None:
+                host = f"[{info.host}]" if ":" in info.host else info.host
+                groups.append({"targets": [f"{host}:{info.metrics_port}"], "labels": {"component": "worker"}})
+    return groups
 
 
 def _add_model_routes(api: FastAPI, state: GatewayState) -> None:

@@ -212,10 +212,14 @@ class _Run:
         self.state.num_inflight -= 1
         self.state.metrics.inflight.dec()
         m = self.state.metrics
-        if all(c.finish_reason is not None for c in self.choices):
-            self.series.e2e.observe(time.perf_counter() - self.start_s)
         firsts = self.builder.first_per_prompt(self.choices)
-        m.prompt_tokens.inc(sum(c.num_prompt_tokens for c in firsts))
+        if all(c.finish_reason is not None for c in self.choices):
+            series = self.series
+            series.e2e.observe(time.perf_counter() - self.start_s)
+            for choice in firsts:  # ISL once per prompt, OSL once per sequence generated
+                series.prompt_tokens.observe(choice.num_prompt_tokens)
+            for choice in self.choices:
+                series.generation_tokens.observe(choice.num_output_tokens)
         m.cached_tokens.inc(sum(c.num_cached_tokens for c in firsts))
 
     def _observe(self, index: int, delta: TokenDelta) -> None:

@@ -1,20 +1,26 @@
-"""The gateway's Prometheus metrics, on a registry of its own (several gateways may share a process in tests).
+"""The gateway's Prometheus metrics, on a registry of its own (several gateways may share a process in tests):
+what only the gateway sees. Request-level: requests by endpoint and status, time to first token, inter-token
+latency, end-to-end time, prompt and generated length (ISL, OSL), rejections, retries, disaggregation paths
+and fallbacks; and the gateway's channel to each worker (`dynserve_gateway_worker_up`). A worker's own state
+(queue, KV, steps, transfers) is served by the worker itself (`workers/metrics.py`), not mirrored here.
 
-Names start `dynserve_`; latencies are histograms in seconds; worker gauges carry `worker_id` and `role`
-and are refreshed from the loads the gateway polls from its workers.
+Router metrics (`dynserve_router_*`, labelled `pool`: the role of the workers a router picks among) come
+from each of the gateway's `Router`s through its observer hook (`watch_router`): the mode in use, the index's
+size (read at scrape time), KV event lag, decision latency (match + select), the chosen worker's overlap
+ratio, requests routed per worker, and hot-spot picks. A gateway with one worker has no router.
 
-Router metrics (`dynserve_router_*`) come from the gateway's `Router` through its observer hook
-(`watch_router`): the mode in use, the index's size (read at scrape time), KV event lag, decision latency
-(match + select), the chosen worker's overlap ratio, requests routed per worker, and hot-spot picks. A
-gateway with one worker has no router: its router histograms stay empty and `dynserve_router_info` unset.
+Names start `dynserve_`, in base units (seconds), counters end in `_total`; `promtool check metrics` is clean
+on the output (tests run it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dynserve.gateway.disagg import PrefillPath
 from dynserve.protocol import WorkerLoad
@@ -23,7 +29,7 @@ if TYPE_CHECKING:
     from dynserve.router.cost import Decision
     from dynserve.router.router import Router
 
-__all__ = ["EndpointSeries", "GatewayMetrics", "observe_many"]
+__all__ = ["EndpointSeries", "GatewayMetrics", "RouterSeries", "observe_many"]
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                       7.5, 10.0, 20.0, 40.0, 80.0)
@@ -31,6 +37,9 @@ _ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15
 _DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _EVENT_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+_REJECT_REASONS = ("not_ready", "queue_full")
+_DISAGG_FALLBACK_REASONS = ("prefill_failed", "transfer_error", "transfer_timeout", "no_blocks", "lease_expired")
 
 
 def observe_many(histogram: Any, amount: float, count: int) -> None:
@@ -52,6 +61,8 @@ class EndpointSeries:
     ttft: Any
     itl: Any
     e2e: Any
+    prompt_tokens: Any
+    generation_tokens: Any
 
 
 class GatewayMetrics:
@@ -65,8 +76,12 @@ class GatewayMetrics:
                              ["endpoint"], buckets=_ITL_BUCKETS_S, registry=registry)
         self.e2e = Histogram("dynserve_request_duration_seconds", "Time from request to last token",
                              ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=registry)
-        self.prompt_tokens = Counter("dynserve_prompt_tokens", "Prompt tokens of finished requests",
-                                     registry=registry)
+        self.prompt_tokens = Histogram("dynserve_request_prompt_tokens", "Prompt tokens of each prompt of a "
+                                       "finished request (input sequence length)", ["endpoint"], buckets=_TOKENS_BUCKETS,
+                                       registry=registry)
+        self.generation_tokens = Histogram("dynserve_request_generation_tokens", "Tokens generated for each "
+                                           "choice of a finished request (output sequence length)",
+                                           ["endpoint"], buckets=_TOKENS_BUCKETS, registry=registry)
         self.generated_tokens = Counter("dynserve_generated_tokens", "Tokens generated", registry=registry)
         self.cached_tokens = Counter("dynserve_cached_prompt_tokens",
                                      "Prompt tokens served from a worker's prefix cache", registry=registry)
@@ -74,7 +89,9 @@ class GatewayMetrics:
                               registry=registry)
         self.rejected = Counter("dynserve_rejected_requests", "Requests refused before running, by reason",
                                 ["reason"], registry=registry)
-        self.retries = Counter("dynserve_worker_retries", "Requests re-sent to another worker after a failure",
+        for reason in _REJECT_REASONS:  # exported at 0: a dashboard's panel has its series from the start
+            self.rejected.labels(reason)
+        self.retries = Counter("dynserve_gateway_retries", "Requests re-sent to another worker after a failure",
                                registry=registry)
         self.disagg_requests = Counter(
             "dynserve_disagg_requests", "Disaggregated serving: requests by where their prompt was prefilled "
@@ -84,53 +101,41 @@ class GatewayMetrics:
             "dynserve_disagg_fallbacks", "Disaggregated serving: requests prefilled on their decode worker after "
             "the remote prefill failed (prefill_failed) or its KV could not be read (transfer_error, "
             "transfer_timeout, no_blocks, lease_expired)", ["reason"], registry=registry)
+        self.worker_up = Gauge("dynserve_gateway_worker_up", "1 while the gateway's channel to the worker is "
+                               "open, 0 while it is down", ["worker_id", "role"], registry=registry)
 
-        labels = ["worker_id", "role"]
-        self.blocks_used = Gauge("dynserve_worker_kv_blocks_used", "KV blocks in use", labels, registry=registry)
-        self.blocks_total = Gauge("dynserve_worker_kv_blocks_total", "KV blocks allocated", labels,
-                                  registry=registry)
-        self.running = Gauge("dynserve_worker_running_requests", "Requests running on the worker", labels,
-                             registry=registry)
-        self.waiting = Gauge("dynserve_worker_waiting_requests", "Requests queued on the worker", labels,
-                             registry=registry)
-        self.worker_up = Gauge("dynserve_worker_up", "1 while the gateway's channel to the worker is open", labels,
-                               registry=registry)
-
-        self.router_info = Info("dynserve_router", "The gateway's router: its mode", registry=registry)
-        self.router_index_blocks = Gauge(
-            "dynserve_router_index_blocks", "Distinct KV blocks in the router's index (approximate: memory)",
-            registry=registry)
-        self.router_index_workers = Gauge(
-            "dynserve_router_index_workers", "Workers holding at least one block in the router's index",
-            registry=registry)
+        self.router_info = Gauge("dynserve_router_info", "The gateway's routers: 1 per pool, labelled with its "
+                                 "mode", ["pool", "mode"], registry=registry)
         self.router_event_lag = Histogram(
             "dynserve_router_event_lag_seconds",
-            "Time from a worker publishing a batch of KV events to the router applying it",
+            "Time from a worker publishing a batch of KV events to the router applying it", ["pool"],
             buckets=_EVENT_LAG_BUCKETS_S, registry=registry)
         self.router_decision = Histogram(
-            "dynserve_router_decision_seconds", "Time to pick a worker: prefix match and selection", ["mode"],
+            "dynserve_router_decision_seconds", "Time to pick a worker: prefix match and selection", ["pool"],
             buckets=_DECISION_BUCKETS_S, registry=registry)
         self.router_overlap_ratio = Histogram(
             "dynserve_router_overlap_ratio", "Prompt blocks the chosen worker caches, over prompt blocks",
-            ["mode"], buckets=_RATIO_BUCKETS, registry=registry)
+            ["pool"], buckets=_RATIO_BUCKETS, registry=registry)
         self.router_routed = Counter(
-            "dynserve_router_routed_requests", "Requests sent to each worker by the router", ["worker_id"],
+            "dynserve_router_routed_requests", "Requests sent to each worker by the router", ["pool", "worker_id"],
             registry=registry)
         self.router_hot_spot = Counter(
-            "dynserve_router_hot_spot_picks", "Picks made by the hot-spot guard, not by the cost",
+            "dynserve_router_hot_spot_picks", "Picks made by the hot-spot guard, not by the cost", ["pool"],
             registry=registry)
-        self._router_mode = "none"
+        self._routers: dict[str, Router] = {}  # pool -> its router, for the index sizes read at scrape time
+        registry.register(_RouterIndexCollector(self._routers))
         self._endpoints: dict[str, EndpointSeries] = {}
         # the children that requests touch, by metric and label values (see `endpoint` for why)
         self._children: dict[tuple[Any, ...], Any] = {}
 
     def endpoint(self, endpoint: str) -> EndpointSeries:
-        """`endpoint`'s latency histograms, labelled on its first request and kept: `labels()` takes a lock
+        """`endpoint`'s request histograms, labelled on its first request and kept: `labels()` takes a lock
         and validates its arguments, which per token is a measurable share of the gateway's CPU."""
         series = self._endpoints.get(endpoint)
         if series is None:
             series = self._endpoints[endpoint] = EndpointSeries(
-                self.ttft.labels(endpoint), self.itl.labels(endpoint), self.e2e.labels(endpoint))
+                self.ttft.labels(endpoint), self.itl.labels(endpoint), self.e2e.labels(endpoint),
+                self.prompt_tokens.labels(endpoint), self.generation_tokens.labels(endpoint))
         return series
 
     def child(self, metric: Any, *values: str) -> Any:
@@ -146,42 +151,65 @@ class GatewayMetrics:
         (and `rate()` a start) before the first request takes it."""
         for path in get_args(PrefillPath):
             self.disagg_requests.labels(path)
-        for reason in ("prefill_failed", "transfer_error", "transfer_timeout", "no_blocks", "lease_expired"):
+        for reason in _DISAGG_FALLBACK_REASONS:
             self.disagg_fallbacks.labels(reason)
 
-    def watch_router(self, router: Router) -> None:
-        """Export `router`'s mode and index size, and receive its measurements (sets `router.observer`)."""
-        self._router_mode = router.mode
-        self.router_info.info({"mode": router.mode})
-        self.router_index_blocks.set_function(lambda: router.index_size()[0])
-        self.router_index_workers.set_function(lambda: router.index_size()[1])
-        router.observer = self
-
-    # ---- RouterObserver --------------------------------------------------------------------------------
-
-    def observe_decision(self, decision: Decision, num_prompt_blocks: int | None, decision_s: float) -> None:
-        mode = self._router_mode
-        self.child(self.router_decision, mode).observe(decision_s)
-        if num_prompt_blocks:
-            self.child(self.router_overlap_ratio, mode).observe(decision.overlap_blocks / num_prompt_blocks)
-        if decision.hot_spot:
-            self.router_hot_spot.inc()
-
-    def observe_routed(self, worker_id: str) -> None:
-        self.child(self.router_routed, worker_id).inc()
-
-    def observe_event_lag(self, lag_s: float) -> None:
-        self.router_event_lag.observe(lag_s)
+    def watch_router(self, router: Router, pool: str = "both") -> RouterSeries:
+        """Export `router`'s mode and index size under `pool`, and receive its measurements (sets
+        `router.observer`)."""
+        self.router_info.labels(pool, router.mode).set(1)
+        self._routers[pool] = router
+        series = RouterSeries(self, pool)
+        router.observer = series
+        return series
 
     # ---- workers ---------------------------------------------------------------------------------------
 
     def observe_load(self, load: WorkerLoad) -> None:
-        labels = (load.worker_id, load.role)
-        self.blocks_used.labels(*labels).set(load.num_blocks_used)
-        self.blocks_total.labels(*labels).set(load.num_blocks_total)
-        self.running.labels(*labels).set(load.num_running)
-        self.waiting.labels(*labels).set(load.num_waiting)
-        self.worker_up.labels(*labels).set(1)
+        self.child(self.worker_up, load.worker_id, load.role).set(1)
 
     def observe_down(self, worker_id: str, role: str) -> None:
-        self.worker_up.labels(worker_id, role).set(0)
+        self.child(self.worker_up, worker_id, role).set(0)
+
+
+class RouterSeries:
+    """One router's series (its pool's label values, bound once): the `RouterObserver` it reports to."""
+
+    def __init__(self, metrics: GatewayMetrics, pool: str) -> None:
+        self._metrics, self._pool = metrics, pool
+        self._decision = metrics.router_decision.labels(pool)
+        self._overlap = metrics.router_overlap_ratio.labels(pool)
+        self._hot_spot = metrics.router_hot_spot.labels(pool)
+        self._event_lag = metrics.router_event_lag.labels(pool)
+
+    def observe_decision(self, decision: Decision, num_prompt_blocks: int | None, decision_s: float) -> None:
+        self._decision.observe(decision_s)
+        if num_prompt_blocks:
+            self._overlap.observe(decision.overlap_blocks / num_prompt_blocks)
+        if decision.hot_spot:
+            self._hot_spot.inc()
+
+    def observe_routed(self, worker_id: str) -> None:
+        self._metrics.child(self._metrics.router_routed, self._pool, worker_id).inc()
+
+    def observe_event_lag(self, lag_s: float) -> None:
+        self._event_lag.observe(lag_s)
+
+
+class _RouterIndexCollector:
+    """The routers' index sizes, read at scrape time (an approximate router's memory forgets as time passes)."""
+
+    def __init__(self, routers: dict[str, Router]) -> None:
+        self._routers = routers
+
+    def collect(self) -> Iterator[Metric]:
+        blocks = GaugeMetricFamily("dynserve_router_index_blocks", "Distinct KV blocks in the router's index "
+                                   "(approximate: its memory)", labels=["pool"])
+        workers = GaugeMetricFamily("dynserve_router_index_workers", "Workers holding at least one block in "
+                                    "the router's index", labels=["pool"])
+        for pool, router in list(self._routers.items()):
+            num_blocks, num_workers = router.index_size()
+            blocks.add_metric([pool], num_blocks)
+            workers.add_metric([pool], num_workers)
+        yield blocks
+        yield workers

@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from dynserve.engine.core import EngineCore, ReceivePlan
 from dynserve.errors import InvalidRequestError, KVTransferTimeoutError
@@ -44,6 +44,9 @@ from dynserve.protocol import (
     RequestTiming,
     TokenDelta,
 )
+
+if TYPE_CHECKING:
+    from dynserve.workers.metrics import WorkerMetrics
 
 __all__ = [
     "NUM_TIMINGS_KEPT", "STOPPED_MESSAGE", "Driver", "EngineCall", "KVReader", "OpenRequest", "Sink",
@@ -103,6 +106,7 @@ class Driver(abc.ABC):
         self._open: dict[str, OpenRequest] = {}
         self._timings: deque[RequestTiming] = deque(maxlen=NUM_TIMINGS_KEPT)
         self.failure: BaseException | None = None
+        self.metrics: WorkerMetrics | None = None  # steps and first tokens are recorded here when set
 
     @property
     def num_open_requests(self) -> int:
@@ -207,6 +211,8 @@ class Driver(abc.ABC):
                 continue
             if state.first_token_s is None:
                 state.first_token_s = now
+                if self.metrics is not None:
+                    self.metrics.record_first_token(now - state.arrival_s)
             if delta.finished:
                 del self._open[delta.request_id]
                 self._timings.append(RequestTiming(

@@ -136,6 +136,7 @@ class EngineLoop(Driver):
             self._built.set()
         try:
             stalled = False  # the last step could schedule nothing: wait for a command or a lease's end
+            idle = True  # the last pass ran no step: the next step's decodes had no step before it
             while self._apply_commands(block=stalled or not engine.has_unfinished_requests(),
                                        wake_s=engine.next_lease_end_s):
                 self._start_receives(engine)
@@ -143,8 +144,16 @@ class EngineLoop(Driver):
                     engine.expire_leases(time.monotonic())
                 stalled = False
                 if engine.has_unfinished_requests():
-                    self._deliver(engine.step())
+                    started_s = time.monotonic()
+                    deltas = engine.step()
                     stalled = engine.stalled
+                    if self.metrics is not None and not stalled:
+                        ended_s = time.monotonic()
+                        self.metrics.record_step(engine.stats, ended_s - started_s, ended_s, idle)
+                    idle = stalled
+                    self._deliver(deltas)
+                else:
+                    idle = True
                 self._forward_kv_events(engine)
             self._fail_open("the worker is stopping")
         except BaseException as exc:

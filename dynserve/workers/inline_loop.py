@@ -203,6 +203,7 @@ class InlineEngineLoop(Driver):
         assert engine is not None and self._wake is not None
         held: list[TokenDelta] = []
         held_since_s = last_clock_s = 0.0
+        idle = True  # the last pass ran no step: the next step's decodes had no step before it
         try:
             while True:
                 # anything that needs a pass from here on (a request, a read's end) sets the wake again
@@ -226,6 +227,8 @@ class InlineEngineLoop(Driver):
                         ended_s, clock_s = time.monotonic(), engine.next_step_s
                         step_s = max(ended_s - started_s, clock_s - last_clock_s)
                         last_clock_s = clock_s
+                        if self.metrics is not None:
+                            self.metrics.record_step(engine.stats, step_s, ended_s, idle)
                         if deltas and not held:
                             held_since_s = ended_s
                         held += deltas
@@ -235,6 +238,7 @@ class InlineEngineLoop(Driver):
                     self._deliver(held)  # a request aborted meanwhile is no longer open: skipped
                     held = []
                 self._forward_kv_events(engine)
+                idle = not stepped
                 if not stepped:
                     await self._idle(engine.next_lease_end_s)
         except asyncio.CancelledError:

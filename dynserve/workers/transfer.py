@@ -36,17 +36,39 @@ class WorkerTransfer:
         self.connector: Any = None
         self._plane: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.metrics: Any = None  # a `WorkerMetrics` counting every read, when the worker has one
         engine.kv_source_id = worker_id
         if settings.mocker is not None:
-            self.read = self._read_simulated
+            self._read = self._read_simulated
+            self.block_size_bytes = engine.block_manager.block_size * engine.profile.kv_bytes_per_token
             return
         from dynserve.kv_transfer import make_connector
 
         # a restarted worker keeps its id but is a new agent: peers must not reuse the old connection
         self.connector = make_connector(settings, f"{worker_id}-{uuid.uuid4().hex[:8]}")
-        self.connector.register_kv_cache(engine.runner.kv_cache)
+        kv_cache = engine.runner.kv_cache
+        self.connector.register_kv_cache(kv_cache)
+        self.block_size_bytes = kv_cache[0].numel() * kv_cache.element_size()
         engine.kv_agent_name = self.connector.agent_name
-        self.read = self._read_kv
+        self._read = self._read_kv
+
+    def read(self, plan: Any) -> None:
+        """The driver's `kv_reader`, on a read thread: `plan`'s blocks into ours, or `KVTransferError`; each
+        read is counted in the worker's metrics (bytes and seconds, or its failure's reason)."""
+        metrics = self.metrics
+        if metrics is None:
+            self._read(plan)
+            return
+        started_s = time.monotonic()
+        try:
+            self._read(plan)
+        except KVTransferTimeoutError:
+            metrics.record_read_failure("timeout")
+            raise
+        except Exception:
+            metrics.record_read_failure("error")
+            raise
+        metrics.record_read(len(plan.local_block_ids) * self.block_size_bytes, time.monotonic() - started_s)
 
     def use_registry(self, plane: Any, loop: asyncio.AbstractEventLoop) -> None:
         """Find peers in `plane`'s registry, asking it on `loop` (the worker's event loop)."""

@@ -161,6 +161,7 @@ class EngineWorker:
             self._transfer = WorkerTransfer(settings, worker_id, self.engine)
             self._runner.kv_reader = self._transfer.read
         self._server: asyncio.Server | None = None
+        self._metrics_server: Any = None  # serving the worker's Prometheus metrics, from `start`
         self._info: WorkerInfo | None = None
         self._draining = False
         self._sinks: set[_ConnectionSink] = set()
@@ -174,15 +175,17 @@ class EngineWorker:
         self._server = await asyncio.start_server(self._serve_connection, self.bind_host, 0)
         keep_alive(self._server.sockets[0])  # inherited by each connection: a gateway that vanished ends
         port = self._server.sockets[0].getsockname()[1]
+        metrics_port = self._serve_metrics() if self._settings.worker_metrics else None
         self._info = WorkerInfo(
             worker_id=self.worker_id, role=self.role, host=self.host, port=port, model_id=self.engine.model_id,
             max_model_len=self.engine.max_model_len, block_size=self.engine.block_manager.block_size,
             num_blocks=self.engine.block_manager.num_blocks,
             kv_agent=(self._transfer.metadata() if self._transfer is not None and self.role == "prefill"
                       else None),
+            metrics_port=metrics_port,
         )
-        logger.info("worker %s (%s) serving %s on %s:%d", self.worker_id, self.role, self.engine.model_id,
-                    self.host, port)
+        logger.info("worker %s (%s) serving %s on %s:%d (metrics: %s)", self.worker_id, self.role,
+                    self.engine.model_id, self.host, port, metrics_port)
         if self._publish_events:
             from dynserve.events.ray_plane import connect_event_plane
 
@@ -192,6 +195,18 @@ class EngineWorker:
                 self._transfer.use_registry(plane, self._loop)  # where a decode worker meets its peers
             await self._registration.join(self._info)
         return self._info
+
+    def _serve_metrics(self) -> int:
+        """Record this worker's metrics and serve them on their own port; returns the port."""
+        from dynserve.workers.metrics import WorkerMetrics, serve_metrics
+
+        metrics = WorkerMetrics(self.worker_id, self.role, self.engine)
+        self._runner.metrics = metrics
+        if self._transfer is not None:
+            self._transfer.metrics = metrics
+        self._metrics_server, port = serve_metrics(metrics.registry, self.bind_host,
+                                                   self._settings.worker_metrics_port)
+        return port
 
     def _queue_kv_events(self, events: list[KVEvent]) -> None:
         if self._registration is not None:
@@ -288,6 +303,9 @@ class EngineWorker:
         await asyncio.to_thread(self._runner.stop)
         if self._transfer is not None:
             self._transfer.close()
+        if self._metrics_server is not None:
+            await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server.server_close()
 
     # ---- the channel ---------------------------------------------------------------------------------
 

@@ -1,0 +1,442 @@
+"""The Grafana dashboards of a dynserve fleet, built with grafana-foundation-sdk's typed builders: overview
+(what clients see at the gateway), router (how requests are placed), workers (each engine's queue, KV cache
+and steps) and disaggregation (where prompts are prefilled and how their KV travels).
+
+`deploy/grafana/<uid>.json` is this module's output (`python -m dynserve.observability.dashboards` writes it;
+a test fails when the two differ). Nothing here is hand-written JSON.
+
+Invariants every dashboard keeps (tests check them): a stable uid, the tag `dynserve` (the dashboards link to
+each other through it), the template variables `datasource`, `pool` and `worker`; every panel and target reads
+`${datasource}`; every selector of a worker's series filters `role=~"$pool", worker_id=~"$worker"` and every
+selector of a router's series `pool=~"$pool"`; raw rates use `$__rate_interval`; recording rules are referred
+to only by names `rules.RULES` defines (building fails otherwise). `expand_variables` turns a panel's
+expression into one Prometheus can run directly, for the fleet test that checks every panel has data.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import common as common_builder
+from grafana_foundation_sdk.builders import dashboard as dashboard_builder
+from grafana_foundation_sdk.builders import gauge, prometheus, stat, text, timeseries
+from grafana_foundation_sdk.builders.dashboard import Row
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common
+from grafana_foundation_sdk.models import dashboard as dashboard_model
+from grafana_foundation_sdk.models.text import TextMode
+
+from dynserve.observability.rules import QUANTILES, RULES
+
+__all__ = ["DASHBOARDS", "GRAFANA_DIR", "TAG", "build_all", "expand_variables", "iter_panels", "panel_queries",
+           "render", "write_all"]
+
+GRAFANA_DIR = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
+TAG = "dynserve"
+REFRESH = "10s"
+TIME_FROM = "now-30m"
+
+_DATASOURCE = dashboard_model.DataSourceRef(type_val="prometheus", uid="${datasource}")
+_RATE = "$__rate_interval"
+_WORKER = 'role=~"$pool", worker_id=~"$worker"'
+_POOL = 'pool=~"$pool"'
+_ROLE = 'role=~"$pool"'
+_DECODE_WORKER = f'role!="prefill", {_WORKER}'  # KV reads happen on decode workers only
+_RULE_NAMES = frozenset(rule.record for rule in RULES)
+
+Query = tuple[str, str]  # (PromQL expression, legend format)
+PanelBuilder = Any  # a panel builder of grafana_foundation_sdk (they share no base class but `Builder`)
+
+
+# ---- PromQL ----------------------------------------------------------------------------------------------
+
+
+def _selector(metric: str, matchers: str = "") -> str:
+    return f"{metric}{{{matchers}}}" if matchers else metric
+
+
+def _rule(record: str, matchers: str = "") -> str:
+    """A recording rule's series; `record` must be one `rules.RULES` defines."""
+    if record not in _RULE_NAMES:
+        raise KeyError(f"no recording rule named {record!r} in dynserve.observability.rules")
+    return _selector(record, matchers)
+
+
+def _sum_rate(metric: str, matchers: str = "", by: str = "") -> str:
+    inner = f"rate({_selector(metric, matchers)}[{_RATE}])"
+    return f"sum by ({by}) ({inner})" if by else f"sum({inner})"
+
+
+def _quantile(quantile: float, histogram: str, matchers: str = "", by: str = "") -> str:
+    keep = f"le, {by}" if by else "le"
+    return f"histogram_quantile({quantile}, {_sum_rate(histogram + '_bucket', matchers, keep)})"
+
+
+def _mean(histogram: str, matchers: str = "", by: str = "") -> str:
+    return f"{_sum_rate(histogram + '_sum', matchers, by)} / {_sum_rate(histogram + '_count', matchers, by)}"
+
+
+def _p(quantile: float) -> str:
+    return f"p{round(quantile * 100)}"
+
+
+def _quantiles(histogram: str, quantiles: tuple[float, ...], matchers: str = "", by: str = "") -> list[Query]:
+    legend = f" {{{{{by}}}}}" if by else ""
+    return [(_quantile(q, histogram, matchers, by), _p(q) + legend) for q in quantiles]
+
+
+def _rule_quantiles(record_prefix: str, matchers: str = "", by: str = "") -> list[Query]:
+    legend = f" {{{{{by}}}}}" if by else ""
+    return [(_rule(f"{record_prefix}:{_p(q)}", matchers), _p(q) + legend) for q in QUANTILES]
+
+
+# ---- panels ----------------------------------------------------------------------------------------------
+
+
+def _with_queries(panel: PanelBuilder, title: str, description: str, unit: str, queries: list[Query],
+                  width: int, height: int) -> PanelBuilder:
+    panel.title(title).description(description).datasource(_DATASOURCE).unit(unit).span(width).height(height)
+    for index, (expr, legend) in enumerate(queries):
+        panel.with_target(prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(chr(ord("A") + index))
+                          .datasource(_DATASOURCE).range())
+    return panel
+
+
+def _graph(title: str, description: str, unit: str, queries: list[Query], width: int = 8, height: int = 8, *,
+           ratio: bool = False, stacked: bool = False) -> PanelBuilder:
+    panel = (timeseries.Panel().fill_opacity(10).min(0)
+             .legend(common_builder.VizLegendOptions().display_mode(common.LegendDisplayMode.LIST)
+                     .placement(common.LegendPlacement.BOTTOM).show_legend(True))
+             .tooltip(common_builder.VizTooltipOptions().mode(common.TooltipDisplayMode.MULTI)
+                      .sort(common.SortOrder.DESCENDING)))
+    if ratio:
+        panel.max(1)
+    if stacked:
+        panel.stacking(common_builder.StackingConfig().mode(common.StackingMode.NORMAL))
+    return _with_queries(panel, title, description, unit, queries, width, height)
+
+
+def _stat(title: str, description: str, unit: str, queries: list[Query], width: int = 4, height: int = 4, *,
+          names_only: bool = False) -> PanelBuilder:
+    panel = (stat.Panel().graph_mode(common.BigValueGraphMode.NONE if names_only else common.BigValueGraphMode.AREA)
+             .color_mode(common.BigValueColorMode.NONE if names_only else common.BigValueColorMode.VALUE)
+             .text_mode(common.BigValueTextMode.NAME if names_only else common.BigValueTextMode.AUTO)
+             .reduce_options(common_builder.ReduceDataOptions().values(False).calcs(["lastNotNull"]))
+             .thresholds(dashboard_builder.ThresholdsConfig().mode(dashboard_model.ThresholdsMode.ABSOLUTE)
+                         .steps([dashboard_model.Threshold(value=None, color="green")])))
+    return _with_queries(panel, title, description, unit, queries, width, height)
+
+
+def _ratio_gauge(title: str, description: str, queries: list[Query], width: int = 6, height: int = 4) -> PanelBuilder:
+    panel = (gauge.Panel().min(0).max(1).show_threshold_markers(True)
+             .reduce_options(common_builder.ReduceDataOptions().values(False).calcs(["lastNotNull"]))
+             .thresholds(dashboard_builder.ThresholdsConfig().mode(dashboard_model.ThresholdsMode.ABSOLUTE)
+                         .steps([dashboard_model.Threshold(value=None, color="green"),
+                                 dashboard_model.Threshold(value=0.8, color="orange"),
+                                 dashboard_model.Threshold(value=0.95, color="red")])))
+    return _with_queries(panel, title, description, "percentunit", queries, width, height)
+
+
+# ---- the dashboards --------------------------------------------------------------------------------------
+
+
+def _overview_panels() -> list[PanelBuilder]:
+    requests, ok = "dynserve_requests_total", 'status=~"2.."'
+    # 1 - 2xx/all, not non-2xx/all: a fleet without errors has no non-2xx series to sum
+    error_share = f"1 - {_sum_rate(requests, ok)} / {_sum_rate(requests)}"
+    return [
+        _stat("Requests/s", "Requests answered by the gateway, all endpoints and statuses.", "reqps",
+              [(_rule("dynserve:requests:rate1m"), "requests/s")]),
+        _stat("Error share (non-2xx)", "Share of answered requests whose HTTP status is not 2xx.", "percentunit",
+              [(error_share, "non-2xx")]),
+        _stat("In-flight requests", "Requests admitted by the gateway and not yet answered.", "short",
+              [("sum(dynserve_inflight_requests)", "in flight")]),
+        _stat("Generated tokens/s", "Tokens streamed to clients.", "suffix: tok/s",
+              [(_rule("dynserve:generated_tokens:rate1m"), "tokens/s")]),
+        _stat("Mean ISL", "Mean prompt length of finished requests (input sequence length).", "suffix: tok",
+              [(_rule("dynserve:prompt_tokens:mean1m"), "ISL")]),
+        _stat("Mean OSL", "Mean generated length of finished requests (output sequence length).", "suffix: tok",
+              [(_rule("dynserve:generation_tokens:mean1m"), "OSL")]),
+        Row("Latency (as clients see it)"),
+        _graph("Time to first token", "From the request's arrival at the gateway to its first token.", "s",
+               _rule_quantiles("dynserve:time_to_first_token_seconds")),
+        _graph("Inter-token latency", "Time between consecutive tokens of a stream.", "s",
+               _rule_quantiles("dynserve:inter_token_latency_seconds")),
+        _graph("End-to-end latency", "From the request's arrival to its last token.", "s",
+               _quantiles("dynserve_request_duration_seconds", (0.5, 0.99))),
+        Row("Traffic"),
+        _graph("Requests/s by status", "Answered requests by HTTP status.", "reqps",
+               [(_sum_rate(requests, by="status"), "{{status}}")]),
+        _graph("Tokens/s", "Tokens generated, and prompt tokens served from a worker's prefix cache.",
+               "suffix: tok/s", [(_sum_rate("dynserve_generated_tokens_total"), "generated"),
+                                 (_sum_rate("dynserve_cached_prompt_tokens_total"), "cached prompt")]),
+        _graph("Mean ISL and OSL", "Mean prompt and generated lengths of the requests finished in the last "
+               "minute.", "suffix: tok", [(_rule("dynserve:prompt_tokens:mean1m"), "ISL"),
+                                          (_rule("dynserve:generation_tokens:mean1m"), "OSL")]),
+        _graph("Rejected requests/s by reason", "Requests refused before running (e.g. queue full, not ready), "
+               "and requests re-sent to another worker after a failure.", "reqps",
+               [(_sum_rate("dynserve_rejected_requests_total", by="reason"), "rejected: {{reason}}"),
+                (_sum_rate("dynserve_gateway_retries_total"), "retried")], width=12),
+        _graph("Workers up (gateway's channel)", "1 while the gateway's channel to the worker is open.", "short",
+               [(f"sum by (worker_id, role) ({_selector('dynserve_gateway_worker_up', _WORKER)})",
+                 "{{worker_id}} ({{role}})")], width=12),
+        Row("Planner").with_panel(
+            text.Panel().title("Planner").mode(TextMode.MARKDOWN).span(24).height(3)
+            .content("The planner's panels (its decisions, and the load it plans for) will land in this row.")),
+    ]
+
+
+def _router_panels() -> list[PanelBuilder]:
+    lag, decision, overlap = ("dynserve_router_event_lag_seconds", "dynserve_router_decision_seconds",
+                              "dynserve_router_overlap_ratio")
+    return [
+        _stat("Router mode by pool", "Each of the gateway's routers: the pool it serves and its mode.", "none",
+              [(_selector("dynserve_router_info", _POOL), "{{pool}}: {{mode}}")], width=24, height=3,
+              names_only=True),
+        Row("Decisions"),
+        _graph("Decisions/s by pool", "Workers picked by each pool's router.", "ops",
+               [(_sum_rate(decision + "_count", _POOL, "pool"), "{{pool}}")]),
+        _graph("Decision time", "Time to pick a worker: prefix match and selection.", "s",
+               _quantiles(decision, (0.5, 0.99), _POOL, "pool")),
+        _graph("Hot-spot guard picks/s", "Picks made by the hot-spot guard instead of the cost.", "ops",
+               [(_sum_rate("dynserve_router_hot_spot_picks_total", _POOL, "pool"), "{{pool}}")]),
+        Row("Cache affinity"),
+        _graph("Chosen worker's overlap ratio", "Prompt blocks the chosen worker caches, over prompt blocks.",
+               "percentunit", [*_quantiles(overlap, (0.5,), _POOL, "pool"),
+                               (_mean(overlap, _POOL, "pool"), "mean {{pool}}")], ratio=True),
+        _graph("Prefix-cache hit rate per worker", "Prompt tokens found in each worker's prefix cache, over "
+               "prompt tokens looked up (the workers' own counters).", "percentunit",
+               [(_rule("worker:dynserve_worker_prefix_cache_hit:ratio1m", _WORKER), "{{worker_id}}")], ratio=True),
+        _graph("Requests routed per worker", "Requests each router sent to each worker.", "reqps",
+               [(_sum_rate("dynserve_router_routed_requests_total", f"{_POOL}, worker_id=~\"$worker\"",
+                           "pool, worker_id"), "{{worker_id}} ({{pool}})")]),
+        Row("KV event index"),
+        _graph("KV event lag", "From a worker publishing a batch of KV events to the router applying it.", "s",
+               _quantiles(lag, (0.5, 0.99), _POOL, "pool")),
+        _graph("Index size (blocks)", "Distinct KV blocks in each router's index.", "short",
+               [(_selector("dynserve_router_index_blocks", _POOL), "{{pool}}")]),
+        _graph("Index size (workers)", "Workers holding at least one block in each router's index.", "short",
+               [(_selector("dynserve_router_index_workers", _POOL), "{{pool}}")]),
+    ]
+
+
+def _workers_panels() -> list[PanelBuilder]:
+    step = "dynserve_worker_step_duration_seconds"
+
+    def per_worker(metric: str, matchers: str = _WORKER) -> str:
+        return _sum_rate(metric, matchers, "worker_id")
+
+    return [
+        _stat("Workers by pool", "Workers exporting metrics, per pool.", "short",
+              [(_rule("role:dynserve_workers:count", _ROLE), "{{role}}")], width=6),
+        _ratio_gauge("KV usage by pool", "KV blocks held by requests over KV blocks, per pool.",
+                     [(_rule("role:dynserve_worker_kv_usage:ratio", _ROLE), "{{role}}")]),
+        _stat("Gateway channel up", "1 while the gateway's channel to the worker is open.", "short",
+              [(f"sum by (worker_id) ({_selector('dynserve_gateway_worker_up', _WORKER)})", "{{worker_id}}")],
+              width=12),
+        Row("Queues and KV cache"),
+        _graph("Waiting and running requests", "Requests queued on each worker (including those whose KV is "
+               "being read) and in its running batch.", "short",
+               [(f"sum by (worker_id) ({_selector('dynserve_worker_waiting_requests', _WORKER)})",
+                 "{{worker_id}} waiting"),
+                (f"sum by (worker_id) ({_selector('dynserve_worker_running_requests', _WORKER)})",
+                 "{{worker_id}} running")]),
+        _graph("KV usage ratio", "KV blocks held by requests over the worker's KV blocks.", "percentunit",
+               [(_rule("worker:dynserve_worker_kv_usage:ratio", _WORKER), "{{worker_id}}")], ratio=True),
+        _graph("Generated tokens/s", "Tokens each worker generated.", "suffix: tok/s",
+               [(_rule("worker:dynserve_worker_generated_tokens:rate1m", _WORKER), "{{worker_id}}")]),
+        Row("Engine steps"),
+        _graph("Step duration", "Time of one engine step (a forward pass).", "s",
+               _quantiles(step, (0.5, 0.99), _WORKER, "worker_id")),
+        _graph("Batch size (mean)", "Requests in one engine step.", "short",
+               [(_mean("dynserve_worker_step_batch_size", _WORKER, "worker_id"), "{{worker_id}}")]),
+        _graph("Prefill and decode tokens/s", "Prompt tokens computed and tokens decoded by each worker's "
+               "steps.", "suffix: tok/s",
+               [(per_worker("dynserve_worker_step_prefill_tokens_sum"), "{{worker_id}} prefill"),
+                (per_worker("dynserve_worker_step_decode_tokens_sum"), "{{worker_id}} decode")]),
+        Row("Memory pressure"),
+        _graph("Preemptions/s", "Running requests preempted (recomputed later) for lack of KV blocks.", "ops",
+               [(per_worker("dynserve_worker_preemptions_total"), "{{worker_id}}")], width=12),
+        _graph("KV evictions/s", "Cached KV blocks evicted to make room.", "ops",
+               [(per_worker("dynserve_worker_kv_evictions_total"), "{{worker_id}}")], width=12),
+        Row("Latency per pool (measured on the workers)"),
+        _graph("Time to first token by pool", "From a request's arrival at a worker to its first token.", "s",
+               _rule_quantiles("role:dynserve_worker_time_to_first_token_seconds", _ROLE, "role"), width=12),
+        _graph("Inter-token latency by pool", "Between the steps that decode a request, on its worker.", "s",
+               _rule_quantiles("role:dynserve_worker_inter_token_latency_seconds", _ROLE, "role"), width=12),
+    ]
+
+
+def _disaggregation_panels() -> list[PanelBuilder]:
+    paths, remote, fallbacks = "dynserve_disagg_requests_total", 'path="remote"', "dynserve_disagg_fallbacks_total"
+    transfer_bytes, failures = "dynserve_worker_kv_transfer_bytes_total", "dynserve_worker_kv_transfer_failures_total"
+    read_time = (f'{_sum_rate("dynserve_worker_kv_transfer_seconds_total", _DECODE_WORKER, "worker_id")} / '
+                 f'{_sum_rate("dynserve_worker_kv_transfer_reads_total", _DECODE_WORKER, "worker_id")}')
+    return [
+        _stat("Remote prefill share", "Requests whose prompt was prefilled on a prefill worker.", "percentunit",
+              [(f"{_sum_rate(paths, remote)} / {_sum_rate(paths)}", "remote")],
+              width=6),
+        _stat("Fallbacks/s", "Requests prefilled on their decode worker after the remote prefill failed.", "reqps",
+              [(_sum_rate(fallbacks), "fallbacks")], width=6),
+        _stat("KV transfer bandwidth", "KV bytes read from prefill workers, all decode workers.", "Bps",
+              [(_sum_rate(transfer_bytes, _DECODE_WORKER), "bytes/s")], width=6),
+        _stat("KV transfer failures/s", "KV reads that failed, all decode workers.", "ops",
+              [(_sum_rate(failures, _DECODE_WORKER), "failures")], width=6),
+        Row("Where prompts are prefilled"),
+        _graph("Requests by prefill path", "remote: on a prefill worker; short_prompt, prefill_queue, "
+               "no_prefill_worker: on the decode worker, and why.", "reqps",
+               [(_sum_rate(paths, by="path"), "{{path}}")], width=12, stacked=True),
+        _graph("Fallbacks by reason", "Requests prefilled on their decode worker after the remote prefill failed "
+               "(prefill_failed) or its KV could not be read.", "reqps",
+               [(_sum_rate(fallbacks, by="reason"), "{{reason}}")], width=12),
+        Row("KV transfer"),
+        _graph("KV transfer bandwidth per decode worker", "KV bytes each decode worker read from prefill workers.",
+               "Bps", [(_sum_rate(transfer_bytes, _DECODE_WORKER, "worker_id"), "{{worker_id}}")]),
+        _graph("KV transfer read time (mean)", "Mean time of one successful KV read.", "s",
+               [(read_time, "{{worker_id}}")]),
+        _graph("KV transfer failures by reason", "KV reads that failed (the request was prefilled on its decode "
+               "worker instead).", "ops", [(_sum_rate(failures, _DECODE_WORKER, "reason"), "{{reason}}")]),
+    ]
+
+
+# ---- assembly --------------------------------------------------------------------------------------------
+
+
+def _variables() -> list[dashboard_builder.DatasourceVariable | dashboard_builder.QueryVariable]:
+    every = dashboard_model.VariableOption(selected=True, text=["All"], value=["$__all"])
+
+    def multi(name: str, label: str, query: str) -> dashboard_builder.QueryVariable:
+        return (dashboard_builder.QueryVariable(name).label(label).query(query).datasource(_DATASOURCE)
+                .multi(True).include_all(True).all_value(".*").current(every)
+                .refresh(dashboard_model.VariableRefresh.ON_TIME_RANGE_CHANGED)
+                .sort(dashboard_model.VariableSort.ALPHABETICAL_ASC))
+
+    return [
+        dashboard_builder.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+        multi("pool", "Pool", "label_values(dynserve_worker_kv_blocks_capacity, role)"),
+        multi("worker", "Worker", 'label_values(dynserve_worker_kv_blocks_capacity{role=~"$pool"}, worker_id)'),
+    ]
+
+
+def _build(uid: str, title: str, description: str, panels: list[PanelBuilder]) -> dict[str, Any]:
+    builder = (dashboard_builder.Dashboard(title).uid(uid).description(description).tags([TAG])
+               .refresh(REFRESH).time(TIME_FROM, "now").timezone("browser")
+               .tooltip(dashboard_model.DashboardCursorSync.CROSSHAIR).variables(_variables())
+               .link(dashboard_builder.DashboardLink("dynserve dashboards")
+                     .type(dashboard_model.DashboardLinkType.DASHBOARDS).tags([TAG]).as_dropdown(False)
+                     .include_vars(True).keep_time(True)))
+    for panel in panels:
+        if isinstance(panel, Row):
+            builder.with_row(panel)
+        else:
+            builder.with_panel(panel)
+    model = builder.build()
+    for panel_id, panel in enumerate(_model_panels(model.panels or []), start=1):
+        panel.id_val = panel_id
+    return json.loads(json.dumps(model, cls=JSONEncoder))
+
+
+def _model_panels(panels: list[Any]) -> Iterator[Any]:
+    for panel in panels:
+        yield panel
+        yield from getattr(panel, "panels", None) or []
+
+
+def overview() -> dict[str, Any]:
+    return _build("dynserve-overview", "dynserve / Overview", "What clients see at the gateway: traffic, errors, "
+                  "latency, tokens.", _overview_panels())
+
+
+def router() -> dict[str, Any]:
+    return _build("dynserve-router", "dynserve / Router", "How the KV-aware routers place requests: decisions, "
+                  "cache affinity, the KV event index.", _router_panels())
+
+
+def workers() -> dict[str, Any]:
+    return _build("dynserve-workers", "dynserve / Workers", "Each worker's queue, KV cache and engine steps, and "
+                  "per-pool latency.", _workers_panels())
+
+
+def disaggregation() -> dict[str, Any]:
+    return _build("dynserve-disaggregation", "dynserve / Disaggregation", "Where prompts are prefilled, "
+                  "fallbacks, and the KV transfers between prefill and decode workers.", _disaggregation_panels())
+
+
+# file stem (= the dashboard's uid) -> its builder
+DASHBOARDS: dict[str, Callable[[], dict[str, Any]]] = {
+    "dynserve-overview": overview,
+    "dynserve-router": router,
+    "dynserve-workers": workers,
+    "dynserve-disaggregation": disaggregation,
+}
+
+
+def build_all() -> dict[str, dict[str, Any]]:
+    """file stem -> dashboard JSON (as a dict)."""
+    return {stem: build() for stem, build in DASHBOARDS.items()}
+
+
+def render(dashboard: dict[str, Any]) -> str:
+    """The text of a dashboard's JSON file."""
+    return json.dumps(dashboard, indent=2, ensure_ascii=False) + "\n"
+
+
+def write_all(directory: Path | str = GRAFANA_DIR) -> list[Path]:
+    """Write every dashboard to `directory/<stem>.json`; returns the paths written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for stem, dashboard in build_all().items():
+        path = directory / f"{stem}.json"
+        path.write_text(render(dashboard))
+        written.append(path)
+    return written
+
+
+# ---- reading the dashboards back -------------------------------------------------------------------------
+
+
+def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every panel of a dashboard's JSON, rows and the panels nested in collapsed rows included."""
+    for panel in dashboard.get("panels", []):
+        yield panel
+        yield from panel.get("panels", []) if panel.get("type") == "row" else []
+
+
+def panel_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL expression) of every target of every panel."""
+    return [(panel.get("title", ""), target["expr"])
+            for panel in iter_panels(dashboard) for target in panel.get("targets") or []]
+
+
+# what Grafana substitutes for its built-in variables, for the dashboards' default range (30 minutes)
+_BUILTIN_VALUES = {"__rate_interval": "1m", "__interval": "15s", "__interval_ms": "15000", "__range": "30m",
+                   "__range_s": "1800", "__range_ms": "1800000", "datasource": "prometheus"}
+_ALL_VALUES = frozenset({"All", "$__all"})
+_VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
+
+
+def expand_variables(expr: str, values: dict[str, str] | None = None) -> str:
+    """`expr` with its variables replaced as Grafana would, so Prometheus can run it. `values` maps a variable's
+    name to its value (a regex for `pool` and `worker`, whose "All" becomes `.*`); unset variables take "All"
+    or Grafana's built-in values. Raises ValueError on a variable no dashboard defines."""
+    given = {"pool": "All", "worker": "All", **_BUILTIN_VALUES, **(values or {})}
+
+    def substitute(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in given:
+            raise ValueError(f"unknown variable ${name} in {expr!r}")
+        value = given[name]
+        return ".*" if value in _ALL_VALUES else value
+
+    return _VARIABLE.sub(substitute, expr)
+
+
+if __name__ == "__main__":
+    paths = write_all()
+    print(f"wrote {len(paths)} dashboards to {GRAFANA_DIR}", file=sys.stderr)

@@ -1,0 +1,205 @@
+"""A worker's Prometheus metrics, measured where they happen and served on the worker's own HTTP port.
+
+Every series carries `worker_id`, `role` and `model`. What the engine already counts (queue, KV blocks,
+prefix-cache lookups and hits, evictions, preemptions, generated tokens) is read at scrape time, so it costs
+the serving path nothing. What only the driver sees is recorded as it happens, into `StepHistogram`s (a
+bucket search and two additions, no lock): per step its duration, batch size, prefill and decode tokens and
+the inter-token latency of the step's decodes; per request the time to its first token. The transfer side
+counts KV reads: bytes, seconds and failures by reason (reads run on several threads: those counters take a
+lock, once a read).
+
+Invariants: recording happens on one thread at a time per histogram (the engine's driver: its thread, or
+the loop for a mocker), so a histogram's buckets are never written concurrently; a scrape copies the
+buckets before summing them, so each bucket and `_count` it reports is one the histogram really had (the
+sum may be a step behind). Names follow Prometheus's conventions: base units in the name, `_total` on
+counters; `promtool check metrics` is clean on the output (tests run it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from dynserve.engine.core import EngineCore, EngineStats
+
+__all__ = ["TRANSFER_FAILURE_REASONS", "StepHistogram", "WorkerMetrics", "serve_metrics"]
+
+logger = logging.getLogger(__name__)
+
+TRANSFER_FAILURE_REASONS = ("timeout", "error")
+_STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+                   2.0, 5.0)
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class StepHistogram:
+    """A Prometheus histogram without locks, for a single writer thread (see the module's invariants)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value`."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += count
+        self.sum += value * count
+
+    def family(self, name: str, documentation: str, label_values: list[str]) -> HistogramMetricFamily:
+        counts = list(self.counts)  # one consistent copy: another thread may be observing
+        buckets, running = [], 0
+        for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
+            running += count
+            buckets.append((_le(bound), running))
+        family = HistogramMetricFamily(name, documentation, labels=["worker_id", "role", "model"])
+        family.add_metric(label_values, buckets, self.sum)
+        return family
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == float("inf") else repr(float(bound))
+
+
+class WorkerMetrics:
+    """One worker's metrics. `engine` is read at scrape time; the driver calls `record_step` after each step
+    and `record_first_token` at each request's first token; the transfer side calls `record_read` and
+    `record_read_failure`. `registry` is what `serve_metrics` serves."""
+
+    def __init__(self, worker_id: str, role: str, engine: EngineCore) -> None:
+        self.labels = [worker_id, role, engine.model_id]
+        self.engine = engine
+        self.step_duration = StepHistogram(_STEP_BUCKETS_S)
+        self.batch_size = StepHistogram(_BATCH_BUCKETS)
+        self.prefill_tokens = StepHistogram(_TOKEN_BUCKETS)
+        self.decode_tokens = StepHistogram(_TOKEN_BUCKETS)
+        self.itl = StepHistogram(_ITL_BUCKETS_S)
+        self.ttft = StepHistogram(_TTFT_BUCKETS_S)
+        self._last_step_end_s: float | None = None
+        self._transfer_lock = threading.Lock()
+        self.transfer_bytes = 0
+        self.transfer_seconds = 0.0
+        self.transfer_reads = 0
+        self.transfer_failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Collector(self))
+        ProcessCollector(registry=self.registry)  # the worker process's CPU and memory
+
+    # ---- the driver's side ---------------------------------------------------------------------------
+
+    def record_step(self, stats: EngineStats, duration_s: float, ended_s: float, after_idle: bool) -> None:
+        """One step that ran a batch: `duration_s` long, ending at `ended_s` (`time.monotonic()`).
+
+        Its decodes' inter-token latency is the time since the previous step ended (each decoded sequence's
+        last token came out of that step, or was its first after a prefill there); after the driver idled
+        there was no previous step for them (a sequence prefilled elsewhere), and none is recorded."""
+        self.step_duration.observe(duration_s)
+        self.batch_size.observe(stats.last_batch_size)
+        self.prefill_tokens.observe(stats.last_prefill_tokens)
+        num_decode = stats.last_decode_tokens
+        self.decode_tokens.observe(num_decode)
+        last_end_s, self._last_step_end_s = self._last_step_end_s, ended_s
+        if num_decode and not after_idle and last_end_s is not None:
+            self.itl.observe(ended_s - last_end_s, num_decode)
+
+    def record_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    # ---- the transfer side (read threads) ------------------------------------------------------------
+
+    def record_read(self, num_bytes: int, seconds: float) -> None:
+        with self._transfer_lock:
+            self.transfer_bytes += num_bytes
+            self.transfer_seconds += seconds
+            self.transfer_reads += 1
+
+    def record_read_failure(self, reason: str) -> None:
+        with self._transfer_lock:
+            self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
+
+    # ---- exposition ----------------------------------------------------------------------------------
+
+    def collect(self) -> Iterator[Metric]:
+        labels, names = self.labels, ["worker_id", "role", "model"]
+        engine = self.engine
+        scheduler, blocks, stats = engine.scheduler, engine.block_manager, engine.stats
+
+        def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, documentation, labels=names)
+            family.add_metric(labels, value)
+            return family
+
+        def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, documentation, labels=names)
+            family.add_metric(labels, value)
+            return family
+
+        yield gauge("dynserve_worker_waiting_requests", "Requests queued on the worker (including those whose "
+                    "KV is being read from a prefill worker)", len(scheduler.waiting) + engine.num_receiving)
+        yield gauge("dynserve_worker_running_requests", "Requests in the worker's running batch",
+                    len(scheduler.running))
+        yield gauge("dynserve_worker_kv_blocks_used", "KV blocks held by requests", blocks.num_used_blocks)
+        yield gauge("dynserve_worker_kv_blocks_capacity", "KV blocks the worker's cache has",
+                    blocks.num_blocks)
+        yield counter("dynserve_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "
+                      "cache at admission", scheduler.num_queried_prompt_tokens)
+        yield counter("dynserve_worker_prefix_cache_hit_tokens", "Prompt tokens the prefix cache held at "
+                      "admission", scheduler.num_cached_prompt_tokens)
+        yield counter("dynserve_worker_kv_evictions", "Cached KV blocks evicted to make room",
+                      blocks.num_evictions)
+        yield counter("dynserve_worker_preemptions", "Running requests preempted (recomputed later) for lack "
+                      "of KV blocks", stats.num_preemptions)
+        yield counter("dynserve_worker_generated_tokens", "Tokens the worker generated", stats.num_generated_tokens)
+        yield self.step_duration.family("dynserve_worker_step_duration_seconds",
+                                        "Time of one engine step (forward pass)", labels)
+        yield self.batch_size.family("dynserve_worker_step_batch_size", "Requests in one engine step", labels)
+        yield self.prefill_tokens.family("dynserve_worker_step_prefill_tokens",
+                                         "Prompt tokens computed in one engine step", labels)
+        yield self.decode_tokens.family("dynserve_worker_step_decode_tokens",
+                                        "Tokens decoded in one engine step", labels)
+        yield self.ttft.family("dynserve_worker_time_to_first_token_seconds",
+                               "Time from a request's arrival at the worker to its first token", labels)
+        yield self.itl.family("dynserve_worker_inter_token_latency_seconds",
+                              "Time between a request's consecutive tokens on the worker", labels)
+        with self._transfer_lock:
+            transfer = (self.transfer_bytes, self.transfer_seconds, self.transfer_reads,
+                        dict(self.transfer_failures))
+        yield counter("dynserve_worker_kv_transfer_bytes", "KV bytes read from prefill workers", transfer[0])
+        yield counter("dynserve_worker_kv_transfer_seconds", "Time spent reading KV from prefill workers",
+                      transfer[1])
+        yield counter("dynserve_worker_kv_transfer_reads", "KV reads from prefill workers that succeeded",
+                      transfer[2])
+        failures = CounterMetricFamily("dynserve_worker_kv_transfer_failures", "KV reads that failed (the "
+                                       "request was prefilled here instead), by reason", labels=[*names, "reason"])
+        for reason, count in transfer[3].items():
+            failures.add_metric([*labels, reason], count)
+        yield failures
+
+
+class _Collector:
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.collect()
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+    """Serve `registry` at http://host:port/metrics from a daemon thread; returns (server, port bound).
+    `server.shutdown()` stops it."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return server, server.server_port
