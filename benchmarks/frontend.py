@@ -22,7 +22,12 @@ streamed response by its chunk framing only (the first few responses of each pha
 and checked: 16 tokens, a usage chunk, `[DONE]`), so its own CPU, which shares this machine's two cores,
 stays small. The last stdout line is the JSON result; a copy goes to `benchmarks/results/`.
 
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.frontend [--quick]
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.frontend [--quick] [--worker-metrics on|off]
+
+With `--worker-metrics on` (the default, as served) the mockers record and serve their Prometheus metrics, and
+a thread of the client scrapes both endpoints every 0.25 s during c32 (c32 lasts about a second: a
+production scrape every 15 s would never land in it); `off` is the baseline `benchmarks.metrics_cost`
+compares it with.
 
 This VM's speed swings by about ±30% between phases a few minutes long, and req/s and every process's CPU
 per request, the client's too, move with it: compare runs by the median of 3, and `added_p50_ms_c1` only
@@ -155,8 +160,8 @@ def _gateway_process(settings_json: str, infos_bytes: bytes, ray_address: str, p
     serve_app(make_gateway_app(settings, infos), settings, on_ready=ports.put)
 
 
-def _start_standalone_mocker(port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "DYN_MOCKER_SPEEDUP": str(SPEEDUP)}
+def _start_standalone_mocker(port: int, worker_metrics: bool) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DYN_MOCKER_SPEEDUP": str(SPEEDUP), "DYN_WORKER_METRICS": str(worker_metrics).lower()}
     process = subprocess.Popen([sys.executable, "-m", "dynserve.cli.mocker", "--profile", "cpu",
                                 "--http-port", str(port)], env=env, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -177,7 +182,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="1,000 requests at c32 and 200 at c1 (about a minute)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--worker-metrics", choices=["on", "off"], default="on",
+                        help="workers record and serve their Prometheus metrics (on: each one's endpoint is "
+                        "scraped every 0.25 s during c32) [default: on]")
     return parser.parse_args(argv)
+
+
+class _Scraper:
+    """Reads each worker's metrics endpoint every `interval_s` from a thread, as Prometheus would."""
+
+    def __init__(self, urls: list[str], interval_s: float = 0.25) -> None:
+        import threading
+
+        self.urls, self.interval_s = urls, interval_s
+        self.num_scrapes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def __enter__(self) -> _Scraper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        import urllib.request
+
+        while not self._stop.wait(self.interval_s):
+            for url in self.urls:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    response.read()
+                self.num_scrapes += 1
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -192,7 +229,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dynserve.workers.mocker import launch_mocker
 
     num_c32, num_c1 = (1000, 200) if args.quick else (2000, 500)
-    settings = Settings(mocker="cpu", mocker_speedup=SPEEDUP, router="kv", port=0, seed=args.seed)
+    worker_metrics = args.worker_metrics == "on"
+    settings = Settings(mocker="cpu", mocker_speedup=SPEEDUP, router="kv", port=0, seed=args.seed,
+                        worker_metrics=worker_metrics)
     start = time.perf_counter()
     ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
              runtime_env=LOCAL_RAY_ENV)
@@ -204,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args=(settings.model_dump_json(), msgspec.msgpack.encode(infos), ray.get_runtime_context().gcs_address, ports))
     gateway.start()
     direct_port = free_port()
-    direct = _start_standalone_mocker(direct_port)
+    direct = _start_standalone_mocker(direct_port, worker_metrics)
     try:
         port = ports.get(timeout=120)
         log(f"2 mockers, gateway and a standalone mocker ready in {time.perf_counter() - start:.1f}s")
@@ -213,8 +252,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 **{f"mocker{i}": ray.get(h.__ray_call__.remote(lambda _self: os.getpid()))
                    for i, (h, _) in enumerate(launched)},
                 "event_plane": ray.get(plane.__ray_call__.remote(lambda _self: os.getpid()))}
+        scrape_urls = [f"http://{i.host}:{i.metrics_port}/metrics" for i in infos if i.metrics_port is not None]
+        assert len(scrape_urls) == (2 if worker_metrics else 0), infos
         cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
-        c32 = uvloop.run(_load("127.0.0.1", port, _bodies(num_c32, args.seed), CONCURRENCY))
+        with _Scraper(scrape_urls) as scraper:
+            c32 = uvloop.run(_load("127.0.0.1", port, _bodies(num_c32, args.seed), CONCURRENCY))
         cpu_ms_per_request = {name: round(1000 * (_cpu_s(pid) - cpu_before[name]) / (num_c32 + CONCURRENCY), 3)
                               for name, pid in pids.items()}
         cpu_ms_per_request["total"] = round(sum(cpu_ms_per_request.values()), 3)
@@ -238,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "frontend", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
         "machine": machine_info(), "mocker_speedup": SPEEDUP, "output_tokens": NUM_TOKENS,
         "requests_c32": num_c32, "requests_c1": num_c1, "concurrency": CONCURRENCY,
+        "worker_metrics": worker_metrics, "worker_scrapes_c32": scraper.num_scrapes,
         "req_per_s_c32": c32["req_per_s"], "cpu_ms_per_request_c32": cpu_ms_per_request, "p50_ms_c32": c32["p50_ms"], "p90_ms_c32": c32["p90_ms"],
         "p50_ms_c1_gateway": gw_c1, "p50_ms_c1_direct": direct_c1, "added_p50_ms_c1": gw_c1 - direct_c1,
         "c1_p50_ms_rounds": {k: [r["p50_ms"] for r in v] for k, v in c1_rounds.items()},
