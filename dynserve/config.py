@@ -19,6 +19,7 @@ _POOL: dict[str, Any] = {"group": "pool"}
 _MOCKER: dict[str, Any] = {"group": "mocker"}
 _TRANSFER: dict[str, Any] = {"group": "transfer"}
 _METRICS: dict[str, Any] = {"group": "metrics"}
+_PLANNER: dict[str, Any] = {"group": "planner"}
 
 
 class Settings(BaseSettings):
@@ -51,6 +52,9 @@ class Settings(BaseSettings):
                            "one more gets 429", json_schema_extra=_GATEWAY)
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="largest request body; larger ones get 413",
                                 json_schema_extra=_GATEWAY)
+    worker_wait_s: float = Field(0.0, ge=0, description="when no worker is ready, hold a request this long for "
+                                 "one to start (a planner scaling up from zero) before answering 503; "
+                                 "dynctl serve --planner: 120 unless set", json_schema_extra=_GATEWAY)
 
     # ---- cluster ----
     ray_address: str | None = Field(None, description="join this Ray cluster; default: start a local one",
@@ -184,6 +188,46 @@ class Settings(BaseSettings):
     scrape_interval_s: float = Field(5.0, gt=0, description="dynctl serve --prometheus: how often it scrapes "
                                      "and evaluates the rules", json_schema_extra=_METRICS)
 
+    # ---- planner (dynserve.planner) ----
+    planner: bool = Field(False, description="dynctl serve: scale the pools against the TTFT and ITL targets "
+                          "below, from the fleet's Prometheus (its own unless --prometheus-url)",
+                          json_schema_extra=_PLANNER)
+    planner_mode: Literal["sla", "load"] = Field(
+        "sla", description="sla: predict the load and size each pool from a capacity profile, corrected by "
+        "observed latency; load: grow a pool whose latency or queue is over target, shrink one comfortably under",
+        json_schema_extra=_PLANNER)
+    planner_ttft_ms: float = Field(1000.0, gt=0, description="the time-to-first-token target",
+                                   json_schema_extra=_PLANNER)
+    planner_itl_ms: float = Field(50.0, gt=0, description="the inter-token latency target",
+                                  json_schema_extra=_PLANNER)
+    planner_interval_s: float = Field(10.0, gt=0, description="how often the planner decides",
+                                      json_schema_extra=_PLANNER)
+    planner_window_s: float = Field(60.0, gt=0, description="the window of the rates and latencies it reads (60: "
+                                    "the recording rules)", json_schema_extra=_PLANNER)
+    planner_min_workers: int = Field(1, ge=0, description="aggregated serving: the fewest workers",
+                                     json_schema_extra=_PLANNER)
+    planner_max_workers: int = Field(8, ge=1, description="aggregated serving: the most workers",
+                                     json_schema_extra=_PLANNER)
+    planner_min_prefill_workers: int = Field(1, ge=0, description="disaggregated: the fewest prefill workers",
+                                             json_schema_extra=_PLANNER)
+    planner_max_prefill_workers: int = Field(4, ge=1, description="disaggregated: the most prefill workers",
+                                             json_schema_extra=_PLANNER)
+    planner_min_decode_workers: int = Field(1, ge=0, description="disaggregated: the fewest decode workers",
+                                            json_schema_extra=_PLANNER)
+    planner_max_decode_workers: int = Field(4, ge=1, description="disaggregated: the most decode workers",
+                                            json_schema_extra=_PLANNER)
+    planner_max_total_workers: int | None = Field(None, ge=1, description="a budget all pools share; default: "
+                                                  "none", json_schema_extra=_PLANNER)
+    planner_idle_s: float | None = Field(None, gt=0, description="scale every pool to zero after this long "
+                                         "without a request (the next request waits for a worker); default: "
+                                         "never", json_schema_extra=_PLANNER)
+    planner_predictor: Literal["constant", "ewma", "holt"] = Field(
+        "holt", description="how the sla mode predicts the next interval's rate, ISL and OSL",
+        json_schema_extra=_PLANNER)
+    planner_profile: str | None = Field(None, description="the capacity profile (a file from dynctl profile, or "
+                                        "a shipped name); default: the --mocker profile's, else 'cpu'",
+                                        json_schema_extra=_PLANNER)
+
     def serving_addresses(self, node_ip: str | None) -> tuple[str, str]:
         """(bind, advertise): where a process's served ports listen and the address it announces for them.
 
@@ -197,7 +241,7 @@ class Settings(BaseSettings):
 
     @classmethod
     def field_names(cls, group: str) -> list[str]:
-        """Names of the fields in `group` ("engine", "gateway", "cluster", "pool", "mocker", "transfer" or
-        "metrics")."""
+        """Names of the fields in `group` ("engine", "gateway", "cluster", "pool", "mocker", "transfer",
+        "metrics" or "planner")."""
         return [name for name, f in cls.model_fields.items()
                 if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]

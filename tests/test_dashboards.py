@@ -1,8 +1,9 @@
 """The Grafana dashboards: `deploy/grafana/*.json` is what the generator builds now; each dashboard passes the
 checks Grafana makes on import (written here as a JSON Schema: the builder's own loader accepts almost
 anything); and every query is well formed, names only metrics dynserve exports or recording rules it defines,
-and honours the dashboard's `pool` and `worker` variables. That every query has data against a live fleet is
-checked by the fleet test, with `panel_queries` and `expand_variables`.
+and honours the dashboard's `pool` and `worker` variables. That every query of the four dashboards a fleet
+without a planner fills has data against a live fleet is checked by the fleet test, with `panel_queries` and
+`expand_variables`; only the planner dashboard may read the planner's series.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from dynserve.observability.dashboards import (
 from dynserve.observability.rules import RULES
 
 BUILT = build_all()
-UIDS = {"dynserve-overview", "dynserve-router", "dynserve-workers", "dynserve-disaggregation"}
+PLANNER_UID = "dynserve-planner"
+UIDS = {"dynserve-overview", "dynserve-router", "dynserve-workers", "dynserve-disaggregation", PLANNER_UID}
 
-# ---- the metric catalog (what the gateway and the workers export) ----------------------------------------------
+# ---- the metric catalog (what the gateway, its planner and the workers export) ----------------------------------------------
 
 GATEWAY_COUNTERS = {
     "dynserve_requests_total", "dynserve_generated_tokens_total", "dynserve_cached_prompt_tokens_total",
@@ -37,13 +39,20 @@ GATEWAY_COUNTERS = {
 }
 GATEWAY_GAUGES = {
     "dynserve_inflight_requests", "dynserve_gateway_worker_up", "dynserve_router_info",
-    "dynserve_router_index_blocks", "dynserve_router_index_workers",
+    "dynserve_router_index_blocks", "dynserve_router_index_workers", "dynserve_gateway_waiting_for_worker_requests",
 }
 GATEWAY_HISTOGRAMS = {
     "dynserve_time_to_first_token_seconds", "dynserve_inter_token_latency_seconds",
     "dynserve_request_duration_seconds", "dynserve_request_prompt_tokens", "dynserve_request_generation_tokens",
     "dynserve_router_event_lag_seconds", "dynserve_router_decision_seconds", "dynserve_router_overlap_ratio",
 }
+# on the gateway's /metrics while `dynctl serve --planner` runs; those labelled `pool` follow the variable
+PLANNER_POOL_SERIES = {
+    "dynserve_planner_workers_target", "dynserve_planner_workers_serving", "dynserve_planner_override_workers",
+    "dynserve_planner_workers_needed", "dynserve_planner_correction_ratio",
+    "dynserve_planner_observed_latency_seconds", "dynserve_planner_decisions_total",
+}
+PLANNER_SERIES = PLANNER_POOL_SERIES | {"dynserve_planner_target_latency_seconds", "dynserve_planner_predicted"}
 WORKER_COUNTERS = {
     "dynserve_worker_prefix_cache_queried_tokens_total", "dynserve_worker_prefix_cache_hit_tokens_total",
     "dynserve_worker_kv_evictions_total", "dynserve_worker_preemptions_total", "dynserve_worker_generated_tokens_total",
@@ -71,7 +80,7 @@ GATEWAY_SERIES = _series(GATEWAY_COUNTERS, GATEWAY_GAUGES, GATEWAY_HISTOGRAMS)
 WORKER_SERIES = _series(WORKER_COUNTERS, WORKER_GAUGES, WORKER_HISTOGRAMS) | {"dynserve_gateway_worker_up"}
 ROUTER_SERIES = {name for name in GATEWAY_SERIES if name.startswith("dynserve_router_")}
 RULE_EXPRS = {rule.record: rule.expr for rule in RULES}
-KNOWN_NAMES = GATEWAY_SERIES | WORKER_SERIES | set(RULE_EXPRS)
+KNOWN_NAMES = GATEWAY_SERIES | WORKER_SERIES | PLANNER_SERIES | set(RULE_EXPRS)
 
 # ---- the schema: what Grafana 11 requires of a dashboard it imports ----------------------------------------------
 
@@ -263,8 +272,21 @@ def test_each_query_follows_the_pool_and_worker_variables(stem: str, title: str,
             assert 'role=~"$pool"' in matchers and 'worker_id=~"$worker"' in matchers, (title, name)
         elif name.startswith("role:"):
             assert 'role=~"$pool"' in matchers, (title, name)
-        elif name in ROUTER_SERIES:
+        elif name in ROUTER_SERIES or name in PLANNER_POOL_SERIES:
             assert 'pool=~"$pool"' in matchers, (title, name)
+
+
+def test_only_the_planner_dashboard_reads_the_planners_series() -> None:
+    # the fleet test requires data from every query of the other four in a fleet without a planner
+    for stem, title, expr in all_queries():
+        if stem != PLANNER_UID:
+            assert not metric_names(expr) & PLANNER_SERIES, (stem, title)
+
+
+def test_the_overviews_planner_row_links_to_the_planner_dashboard() -> None:
+    (panel,) = BUILT["dynserve-overview"]["panels"][-1]["panels"]
+    assert panel["type"] == "text"
+    assert [link["url"].split("?")[0] for link in panel["links"]] == [f"/d/{PLANNER_UID}"]
 
 
 def test_every_exported_metric_has_a_panel() -> None:
@@ -275,7 +297,7 @@ def test_every_exported_metric_has_a_panel() -> None:
     used |= {"dynserve_worker_kv_blocks_capacity"}  # the variables' source
     bases = {name.removesuffix(suffix) for name in used for suffix in HISTOGRAM_SUFFIXES if name.endswith(suffix)}
     catalog = GATEWAY_COUNTERS | GATEWAY_GAUGES | GATEWAY_HISTOGRAMS | WORKER_COUNTERS | WORKER_GAUGES
-    catalog |= WORKER_HISTOGRAMS
+    catalog |= WORKER_HISTOGRAMS | PLANNER_SERIES
     assert catalog - used - bases == set()
 
 

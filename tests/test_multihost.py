@@ -150,9 +150,16 @@ def test_aggregated_mockers_on_two_hosts(fleet: tuple[Hosts, RayCluster], plane:
             assert repeat.usage.prompt_tokens_details.cached_tokens >= repeat.usage.prompt_tokens - 16, repeat.usage
         metrics = _metrics(a, url)
         assert _metric(metrics, "dynserve_router_index_workers") == 2  # both hosts' events are in the index
-        routed = {m.group(1) for m in re.finditer(r'dynserve_router_routed_requests_total\{worker_id="([^"]+)"\}',
-                                                   metrics)}
+        routed = {m.group(1) for m in re.finditer(
+            r'dynserve_router_routed_requests_total\{pool="both",worker_id="([^"]+)"\}', metrics)}
         assert len(routed) == 2, metrics
+        # the workers' metrics: announced at their hosts' addresses, scraped from the gateway's host
+        targets = a.call(lambda: httpx.get(f"{url}/metrics/targets", timeout=10).json())
+        workers = [t["targets"][0] for t in targets if t["labels"]["component"] == "worker"]
+        assert sorted(w.rsplit(":", 1)[0] for w in workers) == sorted([b.ip, c.ip]), targets
+        for address in workers:
+            text = a.call(lambda address=address: httpx.get(f"http://{address}/metrics", timeout=10).text)
+            assert "dynserve_worker_step_duration_seconds_count" in text
 
 
 # ---- disaggregated: the real model, prefill on one host, decode on the other ---------------------------------
@@ -255,7 +262,8 @@ def test_a_lost_host_is_replaced_and_serving_goes_on(fleet: tuple[Hosts, RayClus
             deadline = lost_at + 60
             while True:  # the pool starts a replacement on the host that remains
                 engines = [s for s in _dynserve_sockets(b) if "EngineWork" in s[2] and s[0] == b.ip]
-                if len(engines) == 2 and _metric(_metrics(a, url), "dynserve_gateway_worker_up") == 2:
+                # two workers, each listening on its channel and its metrics port
+                if len(engines) == 4 and _metric(_metrics(a, url), "dynserve_gateway_worker_up") == 2:
                     break
                 assert time.monotonic() < deadline, (engines, _metrics(a, url))
                 time.sleep(0.5)

@@ -87,8 +87,14 @@ def fleet() -> Iterator[Fleet]:
             yield Fleet(url, prometheus)
     assert served.code == 0, served.rest
     # Ctrl-C stopped the Prometheus it ran too
-    _wait_for(lambda: not psutil.pid_exists(prometheus_pid) or psutil.Process(prometheus_pid).status()
-              == psutil.STATUS_ZOMBIE, 10, "prometheus stopped")
+    _wait_for(lambda: _gone(prometheus_pid), 10, "prometheus stopped")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _worker_targets(prometheus: PrometheusClient) -> dict[str, str]:
@@ -122,7 +128,8 @@ def test_both_workers_are_up_and_the_rules_answer(fleet: Fleet) -> None:
 
 
 def test_every_dashboard_panel_query_returns_a_series(fleet: Fleet) -> None:
-    dashboards = build_all()
+    # this fleet runs no planner: the planner dashboard's series are absent, every other panel has data
+    dashboards = {stem: dashboard for stem, dashboard in build_all().items() if stem != "dynserve-planner"}
     assert len(dashboards) == 4
     empty = []
     num_queries = 0

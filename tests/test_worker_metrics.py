@@ -19,6 +19,7 @@ from dynserve.engine.core import EngineStats
 from dynserve.protocol import GenerateRequest, SamplingParams
 from dynserve.workers.channel import WorkerConnection
 from dynserve.workers.metrics import StepHistogram, WorkerMetrics
+from dynserve.workers.mocker import MockEngine
 from dynserve.workers.worker import EngineWorker
 
 LABELS = {"worker_id": "w0", "role": "both", "model": "SmolLM2-135M-Instruct"}
@@ -72,7 +73,7 @@ def test_a_worker_serves_its_steps_queue_kv_and_cache_at_the_source() -> None:
     assert _value(samples, "dynserve_worker_step_decode_tokens_sum") == 7
     assert _value(samples, "dynserve_worker_inter_token_latency_seconds_count") == 7
     assert _value(samples, "dynserve_worker_step_batch_size_sum") == steps  # one request in every step
-    assert _value(samples, "dynserve_worker_kv_transfer_failures_total", reason="timeout") == 0
+    assert _value(samples, "dynserve_worker_kv_transfer_failures_total", reason="transfer_timeout") == 0
     assert _value(samples, "dynserve_worker_waiting_requests") == 0
     assert worker.engine.stats.num_generated_tokens == 8
 
@@ -152,10 +153,7 @@ def test_step_histogram_exports_what_prometheus_clients_histogram_does(values: l
 
 
 def test_inter_token_latency_skips_a_step_after_idle() -> None:
-    class _Engine:
-        model_id = "m"
-
-    metrics = WorkerMetrics("w", "decode", _Engine())  # type: ignore[arg-type]
+    metrics = WorkerMetrics("w", "decode", MockEngine(Settings(mocker="cpu")))
     stats = EngineStats(last_batch_size=3, last_prefill_tokens=0, last_decode_tokens=3)
     metrics.record_step(stats, 0.01, 10.0, after_idle=True)  # first step after idle: no previous token here
     assert metrics.itl.sum == 0

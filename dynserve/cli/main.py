@@ -88,8 +88,13 @@ def _build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("mocker", add_help=False,
                    help="one simulated worker behind the gateway, an OpenAI server (dynctl mocker --help)")
+    profile = sub.add_parser("profile", help="measure one worker's engine (or a mocker profile) into the "
+                             "capacity profile the planner scales by (dynctl profile --help)")
+    from dynserve.cli.profile import add_profile_arguments
+
+    add_profile_arguments(profile)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
-    _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker", "transfer", "metrics")
+    _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker", "transfer", "metrics", "planner")
     return parser
 
 
@@ -161,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return top(prometheus_url=args.prometheus_url, interval_s=args.interval, once=args.once,
                        output=args.output)
+        if args.command == "profile":
+            from dynserve.cli.profile import profile
+
+            return profile(args)
         if args.command == "serve":
             from dynserve.cli.serve import serve
 

@@ -90,6 +90,10 @@ def _banner(settings: Settings, model_id: str, port: int, prometheus_url: str | 
         own = "" if settings.prometheus_url else " (scraping this fleet)"
         metrics = (f"Prometheus: {prometheus_url}{own}; scrape targets: {base}/metrics/targets; watch it live: "
                    f"dynctl top --prometheus-url {prometheus_url}\n")
+    if settings.planner:
+        metrics += (f"Planner: {settings.planner_mode} mode, TTFT {settings.planner_ttft_ms:g} ms, ITL "
+                    f"{settings.planner_itl_ms:g} ms, every {settings.planner_interval_s:g} s; its state and "
+                    f"overrides: {base}/planner\n")
     return (
         f"dynserve is serving {model_id} at {base}/v1 ({workers}). Ctrl-C stops it.\n{metrics}"
         f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
@@ -104,7 +108,10 @@ def serve(settings: Settings) -> int:
     from dynserve.model.resolve import resolve_model_path
     from dynserve.model.tokenizer import Tokenizer
 
+    from dynserve.cli.planning import planner_settings
+
     check_layout(settings)
+    settings = planner_settings(settings)
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
     started_ray = start_ray(settings)
     try:
@@ -134,6 +141,12 @@ def check_layout(settings: Settings) -> None:
     if _disaggregated(settings) and (settings.prefill_workers < 1 or settings.decode_workers < 1):
         raise InvalidRequestError("disaggregated serving needs at least one prefill and one decode worker "
                                   "(--prefill-workers N --decode-workers M)", param="prefill_workers")
+    several = settings.planner or (settings.prefill_workers + settings.decode_workers if _disaggregated(settings)
+                                   else settings.workers) > 1
+    if settings.worker_metrics_port and settings.ray_address is None and several:
+        raise InvalidRequestError("--worker-metrics-port fixes one port for every worker: several workers on "
+                                  "this one host would take the same port (leave it at 0: each worker announces "
+                                  "its own)", param="worker_metrics_port")
 
 
 async def _serve(settings: Settings, tokenizer: Any) -> None:
@@ -145,6 +158,11 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
         layout = [("p", "prefill", settings.prefill_workers), ("d", "decode", settings.decode_workers)]
     else:
         layout = [("w", "both", settings.workers)]
+    if settings.planner:  # the pools start within the planner's bounds, and the planner takes it from there
+        bounds = {"both": (settings.planner_min_workers, settings.planner_max_workers),
+                  "prefill": (settings.planner_min_prefill_workers, settings.planner_max_prefill_workers),
+                  "decode": (settings.planner_min_decode_workers, settings.planner_max_decode_workers)}
+        layout = [(name, role, min(max(n, bounds[role][0]), bounds[role][1])) for name, role, n in layout]
     # several workers on one host share its cores: each gets its part of the threads
     num_workers = sum(n for _name, _role, n in layout)
     threads = settings.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
@@ -153,14 +171,26 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
     registry = pools[0][0].registry  # before any worker: the embedded event plane starts on this node
     prometheus: list[Any] = []  # the Prometheus this command runs (--prometheus), once started
     announced: list[asyncio.Task[None]] = []
+    planning: Any = None
     try:
         infos = await _start_pools(pools)
         app = make_gateway_app(settings, infos, tokenizer, registry=registry)
+        if settings.planner:
+            from dynserve.cli.planning import Planning
+
+            planning = Planning(settings, {role: pool for (_name, role, _n), (pool, _) in zip(layout, pools,
+                                                                                             strict=True)}, app)
 
         async def announce(port: int) -> None:
             prometheus_url = settings.prometheus_url
             if settings.prometheus:
                 prometheus_url = await _start_prometheus(settings, port, prometheus)
+            if planning is not None:
+                if prometheus_url is None:
+                    print("dynserve: the planner has no Prometheus to read; the pools keep their size",
+                          file=sys.stderr, flush=True)
+                else:
+                    planning.start(prometheus_url)
             print(_banner(settings, infos[0].model_id, port, prometheus_url), file=sys.stderr, flush=True)
 
         def on_ready(port: int) -> None:
@@ -170,6 +200,8 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
     finally:
         for task in announced:
             task.cancel()
+        if planning is not None:
+            await planning.stop()
         for server in prometheus:
             await asyncio.to_thread(server.stop)
         await asyncio.gather(*(pool.close() for pool, _n in pools))
@@ -181,7 +213,9 @@ async def _start_prometheus(settings: Settings, port: int, started: list[Any]) -
     from dynserve.errors import PrometheusError
     from dynserve.observability.prometheus import PrometheusServer
 
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)  # this machine's loopback
+    if ":" in host:
+        host = f"[{host}]"
     server = PrometheusServer(f"http://{host}:{port}/metrics/targets", scrape_interval_s=settings.scrape_interval_s)
     started.append(server)
     try:

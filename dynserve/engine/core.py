@@ -318,16 +318,17 @@ class EngineCore(abc.ABC):
         batch = self.scheduler.schedule()
         self.stats.num_preemptions += len(batch.preempted)
         self.stalled = batch.is_empty and not batch.preempted
-        if batch.is_empty:
+        if batch.is_empty:  # it ran nothing (at most it preempted): no step to count
+            self.stats.last_batch_size = self.stats.last_prefill_tokens = self.stats.last_decode_tokens = 0
             return []
-        self._count_prefill(batch)
+        self._count_step(batch)
         samples = self._execute(batch)
         self.scheduler.complete_step(batch)
         self.stats.num_steps += 1
         return [self._append(self._requests[seq.request_id], token_id, logprob)
                 for seq, token_id, logprob in zip(samples.seqs, samples.token_ids, samples.logprobs, strict=True)]
 
-    def _count_prefill(self, batch: ScheduledBatch) -> None:
+    def _count_step(self, batch: ScheduledBatch) -> None:
         stats = self.stats
         num_decode = 0
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):

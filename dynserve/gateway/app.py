@@ -67,6 +67,7 @@ def _observe_workers(state: GatewayState, workers: WorkerSet, sets: list[WorkerS
     for worker_set in sets:
         worker_set._on_load = state.metrics.observe_load
         worker_set._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
+        worker_set._on_leave = lambda info: state.metrics.forget_worker(info.worker_id, info.role)
         worker_set._on_retry = state.metrics.retries.inc
     if workers.prefill is not None:
         state.metrics.expect_disaggregation()

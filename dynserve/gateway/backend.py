@@ -117,6 +117,7 @@ class WorkerSet:
         self._load_seen_s: dict[str, float] = {}
         self._poll_interval_s, self._registry_interval_s = poll_interval_s, registry_interval_s
         self._on_load, self._on_down, self._on_retry = on_load, on_down, on_retry
+        self._on_leave: Callable[[WorkerInfo], None] | None = None  # a member left the set (its series go)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -339,6 +340,8 @@ class WorkerSet:
         logger.info("worker %s left (%d streams to finish)", worker_id, connection.num_open_streams)
         self._mark_down(connection)
         self._leaving.append(connection)
+        if self._on_leave is not None:
+            self._on_leave(connection.info)
 
     async def _follow_registry(self) -> None:
         while True:

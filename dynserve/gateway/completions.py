@@ -19,7 +19,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +58,8 @@ class GatewayState:
     tokenizer: Tokenizer
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     num_inflight: int = 0
+    # called when a request starts waiting for a worker (`Settings.worker_wait_s`): a planner's wake-up
+    on_waiting_for_worker: Callable[[], None] | None = None
 
     @property
     def model_id(self) -> str:
@@ -76,6 +78,23 @@ class GatewayState:
         if model != self.model_id:
             raise ApiError(404, f"The model `{model}` does not exist. This server serves `{self.model_id}`.",
                            param="model", code="model_not_found")
+
+    async def wait_for_worker(self) -> None:
+        """While no worker is ready, hold for one up to `worker_wait_s` (a fleet scaling up from zero), so the
+        request is served rather than refused; counted in `dynserve_gateway_waiting_for_worker_requests`."""
+        wait_s = self.settings.worker_wait_s
+        if wait_s <= 0 or self.workers.is_ready():
+            return
+        gauge = self.metrics.waiting_for_worker
+        gauge.inc()
+        try:
+            if self.on_waiting_for_worker is not None:
+                self.on_waiting_for_worker()
+            deadline_s = time.monotonic() + wait_s
+            while not self.workers.is_ready() and time.monotonic() < deadline_s:
+                await asyncio.sleep(0.05)
+        finally:
+            gauge.dec()
 
     def admit(self) -> None:
         if not self.workers.is_ready():
@@ -100,6 +119,9 @@ class CompletionRoutes:
         status = 500
         try:
             self.state.check_api_key(_header(exchange.headers, b"authorization"))
+            if self.state.settings.worker_wait_s > 0 and not self.state.workers.is_ready():
+                self._validate(kind, exchange.body)  # bad input is answered at once, not after the wait
+                await self.state.wait_for_worker()
             run, stream = self._start(kind, exchange.body)
             status = 200
             if stream:
@@ -118,14 +140,18 @@ class CompletionRoutes:
             metrics = self.state.metrics
             metrics.child(metrics.requests, endpoint, str(status)).inc()
 
-    def _start(self, kind: Kind, body: bytes) -> tuple[_Run, bool]:
-        state = self.state
+    def _validate(self, kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             request = model_cls.model_validate_json(body)
         except pydantic.ValidationError as exc:
             raise validation_error(exc.errors()) from None
-        state.check_model(request.model)
+        self.state.check_model(request.model)
+        return request
+
+    def _start(self, kind: Kind, body: bytes) -> tuple[_Run, bool]:
+        state = self.state
+        request = self._validate(kind, body)
         max_len = state.workers.max_model_len
         if isinstance(request, ChatCompletionRequest):
             prepared = prepare_chat(request, state.tokenizer, max_len)

@@ -39,6 +39,7 @@ _EVENT_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 _REJECT_REASONS = ("not_ready", "queue_full")
+_ENDPOINTS = ("chat/completions", "completions")
 _DISAGG_FALLBACK_REASONS = ("prefill_failed", "transfer_error", "transfer_timeout", "no_blocks", "lease_expired")
 
 
@@ -87,6 +88,8 @@ class GatewayMetrics:
                                      "Prompt tokens served from a worker's prefix cache", registry=registry)
         self.inflight = Gauge("dynserve_inflight_requests", "Requests admitted and not yet answered",
                               registry=registry)
+        self.waiting_for_worker = Gauge("dynserve_gateway_waiting_for_worker_requests", "Requests held until a "
+                                        "worker is ready (a fleet scaling up from zero)", registry=registry)
         self.rejected = Counter("dynserve_rejected_requests", "Requests refused before running, by reason",
                                 ["reason"], registry=registry)
         for reason in _REJECT_REASONS:  # exported at 0: a dashboard's panel has its series from the start
@@ -127,6 +130,9 @@ class GatewayMetrics:
         self._endpoints: dict[str, EndpointSeries] = {}
         # the children that requests touch, by metric and label values (see `endpoint` for why)
         self._children: dict[tuple[Any, ...], Any] = {}
+        for endpoint in _ENDPOINTS:  # exported at 0 from the start: `rate()` sees the first requests arrive
+            self.endpoint(endpoint)
+            self.child(self.requests, endpoint, "200")
 
     def endpoint(self, endpoint: str) -> EndpointSeries:
         """`endpoint`'s request histograms, labelled on its first request and kept: `labels()` takes a lock
@@ -170,6 +176,11 @@ class GatewayMetrics:
 
     def observe_down(self, worker_id: str, role: str) -> None:
         self.child(self.worker_up, worker_id, role).set(0)
+
+    def forget_worker(self, worker_id: str, role: str) -> None:
+        """A worker left the fleet: its channel series goes (a fleet that scales would pile up zeros)."""
+        if self._children.pop((self.worker_up, worker_id, role), None) is not None:
+            self.worker_up.remove(worker_id, role)
 
 
 class RouterSeries:

@@ -1,6 +1,7 @@
 """The Grafana dashboards of a dynserve fleet, built with grafana-foundation-sdk's typed builders: overview
 (what clients see at the gateway), router (how requests are placed), workers (each engine's queue, KV cache
-and steps) and disaggregation (where prompts are prefilled and how their KV travels).
+and steps), disaggregation (where prompts are prefilled and how their KV travels) and planner (how many
+workers each pool gets, and why).
 
 `deploy/grafana/<uid>.json` is this module's output (`python -m dynserve.observability.dashboards` writes it;
 a test fails when the two differ). Nothing here is hand-written JSON.
@@ -8,9 +9,11 @@ a test fails when the two differ). Nothing here is hand-written JSON.
 Invariants every dashboard keeps (tests check them): a stable uid, the tag `dynserve` (the dashboards link to
 each other through it), the template variables `datasource`, `pool` and `worker`; every panel and target reads
 `${datasource}`; every selector of a worker's series filters `role=~"$pool", worker_id=~"$worker"` and every
-selector of a router's series `pool=~"$pool"`; raw rates use `$__rate_interval`; recording rules are referred
-to only by names `rules.RULES` defines (building fails otherwise). `expand_variables` turns a panel's
-expression into one Prometheus can run directly, for the fleet test that checks every panel has data.
+selector of a router's or the planner's pool-labelled series `pool=~"$pool"`; raw rates use
+`$__rate_interval`; recording rules are referred to only by names `rules.RULES` defines (building fails
+otherwise). Only the planner dashboard reads the planner's series (`dynctl serve --planner` exports them), so
+the other four have data in a fleet without a planner. `expand_variables` turns a panel's expression into one
+Prometheus can run directly, for the fleet test that checks every panel of those four has data.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ _POOL = 'pool=~"$pool"'
 _ROLE = 'role=~"$pool"'
 _DECODE_WORKER = f'role!="prefill", {_WORKER}'  # KV reads happen on decode workers only
 _RULE_NAMES = frozenset(rule.record for rule in RULES)
+_PLANNER_UID = "dynserve-planner"
+# the overview's link to it keeps the time range, data source and pools (Grafana expands these in panel links)
+_PLANNER_URL = f"/d/{_PLANNER_UID}?${{__url_time_range}}&${{datasource:queryparam}}&${{pool:queryparam}}"
 
 Query = tuple[str, str]  # (PromQL expression, legend format)
 PanelBuilder = Any  # a panel builder of grafana_foundation_sdk (they share no base class but `Builder`)
@@ -146,9 +152,10 @@ def _ratio_gauge(title: str, description: str, queries: list[Query], width: int 
 
 
 def _overview_panels() -> list[PanelBuilder]:
-    requests, ok = "dynserve_requests_total", 'status=~"2.."'
-    # 1 - 2xx/all, not non-2xx/all: a fleet without errors has no non-2xx series to sum
-    error_share = f"1 - {_sum_rate(requests, ok)} / {_sum_rate(requests)}"
+    requests, failed = "dynserve_requests_total", 'status!~"2.."'
+    # non-2xx over all; a fleet without errors has no non-2xx series to sum, so they count 0 while it serves
+    # (and a fleet that only fails still has a share: 1)
+    error_share = f"({_sum_rate(requests, failed)} or 0 * {_sum_rate(requests)}) / {_sum_rate(requests)}"
     return [
         _stat("Requests/s", "Requests answered by the gateway, all endpoints and statuses.", "reqps",
               [(_rule("dynserve:requests:rate1m"), "requests/s")]),
@@ -187,7 +194,11 @@ def _overview_panels() -> list[PanelBuilder]:
                  "{{worker_id}} ({{role}})")], width=12),
         Row("Planner").with_panel(
             text.Panel().title("Planner").mode(TextMode.MARKDOWN).span(24).height(3)
-            .content("The planner's panels (its decisions, and the load it plans for) will land in this row.")),
+            .content("The planner's panels (workers wanted and serving per pool, its decisions, the load it "
+                     "predicts and the latency it steers by) are on the **dynserve / Planner** dashboard: "
+                     "follow this panel's link. They have data while `dynctl serve --planner` runs.")
+            .links([dashboard_builder.DashboardLink("dynserve / Planner")
+                    .type(dashboard_model.DashboardLinkType.LINK).url(_PLANNER_URL)])),
     ]
 
 
@@ -304,6 +315,61 @@ def _disaggregation_panels() -> list[PanelBuilder]:
     ]
 
 
+def _planner_panels() -> list[PanelBuilder]:
+    def planner(metric: str, matchers: str = _POOL) -> str:
+        return _selector(f"dynserve_planner_{metric}", matchers)
+
+    def against_target(kind: str, record_prefix: str) -> list[Query]:
+        return [(planner("observed_latency_seconds", f'{_POOL}, kind="{kind}"'), "planner read {{pool}}"),
+                (_rule(f"{record_prefix}:p90", _ROLE), "p90 {{role}}"),
+                (planner("target_latency_seconds", f'kind="{kind}"'), "target")]
+
+    def predicted(quantity: str) -> str:
+        return planner("predicted", f'quantity="{quantity}"')
+
+    decisions = _sum_rate("dynserve_planner_decisions_total", _POOL, "pool, reason")
+    return [
+        _stat("Workers wanted by pool", "Workers the planner wants in each pool now.", "short",
+              [(planner("workers_target"), "{{pool}}")], width=6),
+        _stat("Workers serving by pool", "Workers serving in each pool now.", "short",
+              [(planner("workers_serving"), "{{pool}}")], width=6),
+        _stat("Overrides in force", "Pools whose worker count an operator fixed by hand, and that count.",
+              "short", [(planner("override_workers"), "{{pool}}")], width=6).no_value("none"),
+        _stat("Requests waiting for a worker", "Requests the gateway holds while the fleet scales up from "
+              "zero.", "short", [("sum(dynserve_gateway_waiting_for_worker_requests)", "waiting")], width=6),
+        Row("Scaling"),
+        _graph("Workers wanted vs serving", "The planner's target per pool, and the workers serving in it.",
+               "short", [(planner("workers_target"), "wanted {{pool}}"),
+                         (planner("workers_serving"), "serving {{pool}}")]),
+        _graph("Workers needed (fractional)", "Workers the predicted load needs per pool, corrected by the "
+               "observed latency (sla mode).", "short", [(planner("workers_needed"), "{{pool}}")]),
+        _graph("Scale decisions/s by pool and reason", "Changes of a pool's target: sla_up, sla_down (latency "
+               "targets), load_up, load_down (queues), idle, wake (a request for a fleet at zero), override, "
+               "budget (the fleet's total cap), bound (a pool's min or max).", "ops",
+               [(decisions, "{{pool}}: {{reason}}")]),
+        Row("Load"),
+        _graph("Offered vs predicted request rate", "Requests/s answered by the gateway, and the rate the "
+               "planner predicts for its next interval.", "reqps",
+               [(_rule("dynserve:requests:rate1m"), "offered"), (predicted("request_rate"), "predicted")],
+               width=12),
+        _graph("Mean ISL and OSL vs predicted", "Mean prompt and generated lengths of finished requests, and "
+               "the lengths the planner predicts.", "suffix: tok",
+               [(_rule("dynserve:prompt_tokens:mean1m"), "ISL"), (predicted("isl"), "predicted ISL"),
+                (_rule("dynserve:generation_tokens:mean1m"), "OSL"), (predicted("osl"), "predicted OSL")],
+               width=12),
+        Row("Latency against the targets"),
+        _graph("Time to first token vs target", "Each pool's TTFT as the planner read it, the p90 its "
+               "workers measured, and the planner's target.", "s",
+               against_target("ttft", "role:dynserve_worker_time_to_first_token_seconds")),
+        _graph("Inter-token latency vs target", "Each pool's ITL as the planner read it, the p90 its "
+               "workers measured, and the planner's target.", "s",
+               against_target("itl", "role:dynserve_worker_inter_token_latency_seconds")),
+        _graph("Correction ratio by pool", "Observed over the profile's expected latency, smoothed (sla "
+               "mode): above 1 the pool is slower than profiled, so it needs more workers.", "short",
+               [(planner("correction_ratio"), "{{pool}}")]),
+    ]
+
+
 # ---- assembly --------------------------------------------------------------------------------------------
 
 
@@ -367,12 +433,19 @@ def disaggregation() -> dict[str, Any]:
                   "fallbacks, and the KV transfers between prefill and decode workers.", _disaggregation_panels())
 
 
+def planner() -> dict[str, Any]:
+    return _build(_PLANNER_UID, "dynserve / Planner", "How many workers each pool gets and why: targets, "
+                  "decisions, the load the planner predicts and the latency it steers by (`dynctl serve "
+                  "--planner`).", _planner_panels())
+
+
 # file stem (= the dashboard's uid) -> its builder
 DASHBOARDS: dict[str, Callable[[], dict[str, Any]]] = {
     "dynserve-overview": overview,
     "dynserve-router": router,
     "dynserve-workers": workers,
     "dynserve-disaggregation": disaggregation,
+    _PLANNER_UID: planner,
 }
 
 

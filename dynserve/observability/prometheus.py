@@ -67,7 +67,7 @@ def _duration(seconds: float) -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free on `host` now (the OS's pick; another process could take it before it is bound)."""
-    with socket.socket() as sock:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
@@ -88,7 +88,8 @@ class PrometheusServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def log_path(self) -> Path:
@@ -113,14 +114,15 @@ class PrometheusServer:
                                         refresh_s=self.refresh_s))
         if self.port is None:
             self.port = free_port(self.host)
-        command = [binary, f"--config.file={config}", f"--web.listen-address={self.host}:{self.port}",
-                   f"--storage.tsdb.path={self.workdir / 'data'}", "--storage.tsdb.retention.time=1d",
-                   "--web.enable-lifecycle"]
+        command = [binary, f"--config.file={config}", f"--web.listen-address={self.url.removeprefix('http://')}",
+                   f"--storage.tsdb.path={self.workdir / 'data'}", "--storage.tsdb.retention.time=1d"]
         # SIGTERM when the thread that started it ends (Linux's parent-death signal, set by util-linux's
         # setpriv before it execs Prometheus): a Prometheus never outlives a `dynctl serve` that was killed
         setpriv = shutil.which("setpriv")
         if setpriv is not None:
             command = [setpriv, "--pdeathsig", "TERM", *command]
+        else:
+            logger.warning("no setpriv (util-linux): a Prometheus left by a killed dynctl serve keeps running")
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
                                             start_new_session=True)
@@ -134,20 +136,22 @@ class PrometheusServer:
         return self.url
 
     def _wait_ready(self, timeout_s: float) -> None:
-        assert self.process is not None
+        process = self.process  # `stop` (another thread, Ctrl-C) may clear the attribute meanwhile
+        if process is None:
+            raise PrometheusError("prometheus was stopped while starting", url=self.url)
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=1.0) as client:
             while True:
-                if self.process.poll() is not None:
-                    raise PrometheusError(f"prometheus exited with code {self.process.returncode}: "
-                                          f"{self._log_tail()}", url=self.url)
+                if process.poll() is not None:
+                    raise PrometheusError(f"prometheus exited with code {process.returncode}: {self._log_tail()}",
+                                          url=self.url)
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.url}/-/ready").status_code == 200:
                         return
                 if time.monotonic() > deadline:
+                    tail = self._log_tail()  # before `stop` removes the working directory with the log
                     self.stop()
-                    raise PrometheusError(f"prometheus was not ready within {timeout_s:g} s: {self._log_tail()}",
-                                          url=self.url)
+                    raise PrometheusError(f"prometheus was not ready within {timeout_s:g} s: {tail}", url=self.url)
                 time.sleep(0.1)
 
     def _log_tail(self, num_lines: int = 5) -> str:

@@ -137,8 +137,7 @@ class EngineLoop(Driver):
         try:
             stalled = False  # the last step could schedule nothing: wait for a command or a lease's end
             idle = True  # the last pass ran no step: the next step's decodes had no step before it
-            while self._apply_commands(block=stalled or not engine.has_unfinished_requests(),
-                                       wake_s=engine.next_lease_end_s):
+            while self._apply_commands(block=self._idling(engine, stalled), wake_s=engine.next_lease_end_s):
                 self._start_receives(engine)
                 if engine.num_leases:
                     engine.expire_leases(time.monotonic())
@@ -147,7 +146,7 @@ class EngineLoop(Driver):
                     started_s = time.monotonic()
                     deltas = engine.step()
                     stalled = engine.stalled
-                    if self.metrics is not None and not stalled:
+                    if self.metrics is not None and engine.stats.last_batch_size:  # a step that ran a batch
                         ended_s = time.monotonic()
                         self.metrics.record_step(engine.stats, ended_s - started_s, ended_s, idle)
                     idle = stalled
@@ -158,6 +157,14 @@ class EngineLoop(Driver):
             self._fail_open("the worker is stopping")
         except BaseException as exc:
             self._fail_engine(exc)
+
+    def _idling(self, engine: EngineCore, stalled: bool) -> bool:
+        """Whether the loop is about to wait for a command (nothing to step); the metrics' queue gauges are
+        taken then, so what changed since the last step (aborts) shows while it waits."""
+        idle = stalled or not engine.has_unfinished_requests()
+        if idle and self.metrics is not None:
+            self.metrics.snapshot_queue()
+        return idle
 
     def _fail_open(self, message: str) -> None:
         while True:  # calls queued behind the stop get an answer too

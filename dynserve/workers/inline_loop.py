@@ -227,7 +227,7 @@ class InlineEngineLoop(Driver):
                         ended_s, clock_s = time.monotonic(), engine.next_step_s
                         step_s = max(ended_s - started_s, clock_s - last_clock_s)
                         last_clock_s = clock_s
-                        if self.metrics is not None:
+                        if self.metrics is not None and engine.stats.last_batch_size:  # it ran a batch
                             self.metrics.record_step(engine.stats, step_s, ended_s, idle)
                         if deltas and not held:
                             held_since_s = ended_s
@@ -240,6 +240,8 @@ class InlineEngineLoop(Driver):
                 self._forward_kv_events(engine)
                 idle = not stepped
                 if not stepped:
+                    if self.metrics is not None:
+                        self.metrics.snapshot_queue()  # what aborts changed since the last step
                     await self._idle(engine.next_lease_end_s)
         except asyncio.CancelledError:
             raise

@@ -1,8 +1,9 @@
 """A worker's Prometheus metrics, measured where they happen and served on the worker's own HTTP port.
 
-Every series carries `worker_id`, `role` and `model`. What the engine already counts (queue, KV blocks,
-prefix-cache lookups and hits, evictions, preemptions, generated tokens) is read at scrape time, so it costs
-the serving path nothing. What only the driver sees is recorded as it happens, into `StepHistogram`s (a
+Every series carries `worker_id`, `role` and `model`. What the engine already counts (prefix-cache lookups
+and hits, evictions, preemptions, generated tokens: plain integers) is read at scrape time, so it costs the
+serving path nothing; the queue and KV gauges are the driver's snapshot after each step (a scrape must not
+read the scheduler's queues while a step rebuilds them). What only the driver sees is recorded as it happens, into `StepHistogram`s (a
 bucket search and two additions, no lock): per step its duration, batch size, prefill and decode tokens and
 the inter-token latency of the step's decodes; per request the time to its first token. The transfer side
 counts KV reads: bytes, seconds and failures by reason (reads run on several threads: those counters take a
@@ -33,7 +34,7 @@ __all__ = ["TRANSFER_FAILURE_REASONS", "StepHistogram", "WorkerMetrics", "serve_
 
 logger = logging.getLogger(__name__)
 
-TRANSFER_FAILURE_REASONS = ("timeout", "error")
+TRANSFER_FAILURE_REASONS = ("transfer_timeout", "transfer_error")  # as the gateway names them
 _STEP_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
                    2.0, 5.0)
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
@@ -87,6 +88,9 @@ class WorkerMetrics:
         self.decode_tokens = StepHistogram(_TOKEN_BUCKETS)
         self.itl = StepHistogram(_ITL_BUCKETS_S)
         self.ttft = StepHistogram(_TTFT_BUCKETS_S)
+        # (waiting, running, KV blocks used) as the driver left them after its last step: a scrape on the HTTP
+        # thread must not read the scheduler's queues while a step rebuilds them
+        self.queue: tuple[int, int, int] | None = None
         self._last_step_end_s: float | None = None
         self._transfer_lock = threading.Lock()
         self.transfer_bytes = 0
@@ -113,6 +117,14 @@ class WorkerMetrics:
         last_end_s, self._last_step_end_s = self._last_step_end_s, ended_s
         if num_decode and not after_idle and last_end_s is not None:
             self.itl.observe(ended_s - last_end_s, num_decode)
+        self.snapshot_queue()
+
+    def snapshot_queue(self) -> None:
+        """Take the queue and KV gauges now, on the driver's side: after each step, and before it waits idle
+        (requests aborted or finished since the last step are gone from them then)."""
+        engine = self.engine
+        self.queue = (len(engine.scheduler.waiting) + engine.num_receiving, len(engine.scheduler.running),
+                      engine.block_manager.num_used_blocks)
 
     def record_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -146,11 +158,13 @@ class WorkerMetrics:
             family.add_metric(labels, value)
             return family
 
+        num_waiting, num_running, num_used = self.queue if self.queue is not None else (0, 0, 0)
         yield gauge("dynserve_worker_waiting_requests", "Requests queued on the worker (including those whose "
-                    "KV is being read from a prefill worker)", len(scheduler.waiting) + engine.num_receiving)
-        yield gauge("dynserve_worker_running_requests", "Requests in the worker's running batch",
-                    len(scheduler.running))
-        yield gauge("dynserve_worker_kv_blocks_used", "KV blocks held by requests", blocks.num_used_blocks)
+                    "KV is being read from a prefill worker), after its last step", num_waiting)
+        yield gauge("dynserve_worker_running_requests", "Requests in the worker's running batch, after its last "
+                    "step", num_running)
+        yield gauge("dynserve_worker_kv_blocks_used", "KV blocks held by requests (cached but free blocks are "
+                    "not counted), after the worker's last step", num_used)
         yield gauge("dynserve_worker_kv_blocks_capacity", "KV blocks the worker's cache has",
                     blocks.num_blocks)
         yield counter("dynserve_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix "

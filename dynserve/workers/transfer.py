@@ -63,10 +63,10 @@ class WorkerTransfer:
         try:
             self._read(plan)
         except KVTransferTimeoutError:
-            metrics.record_read_failure("timeout")
+            metrics.record_read_failure("transfer_timeout")
             raise
         except Exception:
-            metrics.record_read_failure("error")
+            metrics.record_read_failure("transfer_error")
             raise
         metrics.record_read(len(plan.local_block_ids) * self.block_size_bytes, time.monotonic() - started_s)
 

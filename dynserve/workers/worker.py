@@ -175,7 +175,11 @@ class EngineWorker:
         self._server = await asyncio.start_server(self._serve_connection, self.bind_host, 0)
         keep_alive(self._server.sockets[0])  # inherited by each connection: a gateway that vanished ends
         port = self._server.sockets[0].getsockname()[1]
-        metrics_port = self._serve_metrics() if self._settings.worker_metrics else None
+        try:
+            metrics_port = self._serve_metrics() if self._settings.worker_metrics else None
+        except OSError:  # e.g. a fixed metrics port taken: the worker does not start, nor leaves a listener
+            self._server.close()
+            raise
         self._info = WorkerInfo(
             worker_id=self.worker_id, role=self.role, host=self.host, port=port, model_id=self.engine.model_id,
             max_model_len=self.engine.max_model_len, block_size=self.engine.block_manager.block_size,

@@ -1,0 +1,342 @@
+"""The planner's decision core: one observation of the fleet in, the next worker count of each pool out. No
+I/O and no clock of its own (the time is the observation's), so the same core runs live
+(`planner/live.py`), in trace replay (`benchmarks/planner.py`) and in tests.
+
+Pools are named by their workers' role: `prefill` and `decode` when serving disaggregated, `both` when not.
+Two modes (`PlannerConfig.mode`):
+
+- **sla**: predict the next interval's request rate (never below the rate observed now), mean ISL and mean
+  OSL (`predictors.py`), turn them into replicas with the capacity profile (`profile.py`: the prompt tokens/s
+  a prefill worker sustains at the TTFT target, by ISL; the tokens/s a decode worker sustains at the ITL
+  target, by context length), and correct
+  each pool's need by how its observed TTFT (prefill) or ITL (decode) compares with what the profile expects
+  at the load it carries now (an EWMA of observed / expected, bounded): a fleet slower than its profile
+  gets more workers, a faster one fewer. A `both` pool needs the sum of the two (its workers do both).
+- **load**: no profile; a pool grows when its observed TTFT (prefill, both) or ITL (decode, both) is over its
+  target or its queue is over `load_queue_per_worker` a worker, and shrinks when every signal is comfortably
+  under (below `load_headroom` x target, nothing queued).
+
+Either way, and in this order: a pool grows by at most `max_step_up` an interval and shrinks by at most
+`max_step_down`, only after the lower need has held for `down_delay_intervals` intervals in a row and with
+a `down_margin` of spare capacity (so noisy flat load does not flap); bounds per pool (`min_workers`,
+`max_workers`) and a `max_total_workers` budget shared by the pools (the pool with the most spare capacity
+gives first); **scale to zero** after `idle_s` with no request at all, and **wake** at once (a serving pool
+to at least one worker) when a request arrives for a fleet at zero (the gateway holds it meanwhile); a
+**manual override** (`override`) fixes a pool's count until `release`, and the budget left to the others
+shrinks by it.
+
+Invariants: every decided count is within [0, max_workers] of its pool (an override within [0, its max]);
+the decided counts never exceed `max_total_workers` unless overrides alone do; below `min_workers` only
+when idle (scale to zero) or overridden.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
+
+from dynserve.planner.predictors import PredictorName, make_predictor
+
+if TYPE_CHECKING:
+    from dynserve.planner.profile import CapacityProfile
+
+__all__ = ["POOLS", "Decision", "Observation", "PlannerConfig", "PlannerCore", "PoolObservation"]
+
+POOLS = ("prefill", "decode", "both")
+_SERVING = ("decode", "both")  # a fleet needs one of these to answer at all (prefill alone cannot)
+NAN = math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class PoolObservation:
+    """One pool as observed over the last window: its serving workers, their TTFT and ITL (the quantile the
+    connector reads, NaN without observations), and their queued and running requests (sums)."""
+
+    num_workers: int
+    ttft_s: float = NAN
+    itl_s: float = NAN
+    num_waiting: float = 0.0
+    num_running: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """The fleet at `now_s` (any clock, seconds): the gateway's request rate and mean ISL and OSL over the
+    last window (NaN when it saw no requests), each pool, and the requests the gateway holds because no
+    worker is ready (waiting for a scale from zero)."""
+
+    now_s: float
+    pools: Mapping[str, PoolObservation]
+    request_rate_per_s: float = NAN
+    mean_isl: float = NAN
+    mean_osl: float = NAN
+    num_waiting_for_worker: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    mode: Literal["sla", "load"] = "sla"
+    ttft_target_s: float = 1.0
+    itl_target_s: float = 0.05
+    interval_s: float = 10.0
+    min_workers: Mapping[str, int] = field(default_factory=dict)  # per pool; default 1
+    max_workers: Mapping[str, int] = field(default_factory=dict)  # per pool; default 8
+    max_total_workers: int | None = None
+    idle_s: float | None = None  # scale every pool to zero after this long without a request; None: never
+    predictor: PredictorName = "holt"
+    max_step_up: int = 4
+    max_step_down: int = 1
+    down_delay_intervals: int = 3
+    down_margin: float = 0.15  # shrink only when the need fits in one worker fewer with this much to spare
+    load_headroom: float = 0.6
+    load_queue_per_worker: float = 2.0
+    correction_alpha: float = 0.3
+    correction_bounds: tuple[float, float] = (0.5, 3.0)
+
+    def min_of(self, pool: str) -> int:
+        return self.min_workers.get(pool, 1)
+
+    def max_of(self, pool: str) -> int:
+        return self.max_workers.get(pool, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The worker count each pool should have, why (`reasons`: sla_up, sla_down, load_up, load_down, hold,
+    idle, wake, override, budget, bound), and what the SLA mode predicted and needed (NaN in load mode)."""
+
+    now_s: float
+    targets: dict[str, int]
+    reasons: dict[str, str]
+    needs: dict[str, float]
+    corrections: dict[str, float]
+    predicted_rate_per_s: float = NAN
+    predicted_isl: float = NAN
+    predicted_osl: float = NAN
+
+    def changed(self, previous: Mapping[str, int]) -> dict[str, int]:
+        """The pools whose target differs from `previous`, and their new targets."""
+        return {pool: n for pool, n in self.targets.items() if previous.get(pool) != n}
+
+
+class PlannerCore:
+    """Decides each pool's worker count, one `decide` per interval (see the module doc)."""
+
+    def __init__(self, config: PlannerConfig, pools: Sequence[str], profile: CapacityProfile | None = None) -> None:
+        unknown = [p for p in pools if p not in POOLS]
+        if unknown or not pools:
+            raise ValueError(f"pools must be some of {POOLS}, got {list(pools)}")
+        if config.mode == "sla" and profile is None:
+            raise ValueError("the sla mode needs a capacity profile")
+        for pool in pools:
+            if not 0 <= config.min_of(pool) <= config.max_of(pool):
+                raise ValueError(f"pool {pool}: min_workers {config.min_of(pool)} and max_workers "
+                                 f"{config.max_of(pool)} are not 0 <= min <= max")
+        self.config, self.pools, self.profile = config, tuple(pools), profile
+        self._rate, self._isl, self._osl = (make_predictor(config.predictor) for _ in range(3))
+        self._observed_rate = 0.0
+        self.corrections = dict.fromkeys(self.pools, 1.0)
+        self.targets: dict[str, int] | None = None  # the last decision's, once there is one
+        self._lower_streak = dict.fromkeys(self.pools, 0)
+        self._last_active_s: float | None = None
+        self._overrides: dict[str, int] = {}
+
+    # ---- manual override ---------------------------------------------------------------------------------
+
+    def override(self, pool: str, num_workers: int) -> None:
+        """Hold `pool` at `num_workers` (within [0, its max]) until `release`."""
+        if pool not in self.pools:
+            raise ValueError(f"no pool {pool!r}; pools: {', '.join(self.pools)}")
+        if not 0 <= num_workers <= self.config.max_of(pool):
+            raise ValueError(f"pool {pool}: {num_workers} workers is outside [0, {self.config.max_of(pool)}]")
+        self._overrides[pool] = num_workers
+
+    def release(self, pool: str) -> None:
+        self._overrides.pop(pool, None)
+
+    @property
+    def overrides(self) -> dict[str, int]:
+        return dict(self._overrides)
+
+    # ---- deciding ----------------------------------------------------------------------------------------
+
+    def decide(self, observation: Observation) -> Decision:
+        config, now_s = self.config, observation.now_s
+        current = self.targets if self.targets is not None else {
+            p: observation.pools[p].num_workers if p in observation.pools else config.min_of(p) for p in self.pools}
+        rate = observation.request_rate_per_s
+        self._observed_rate = rate if math.isfinite(rate) else 0.0  # no requests in the window: a rate of 0
+        self._rate.observe(self._observed_rate)
+        self._isl.observe(observation.mean_isl)
+        self._osl.observe(observation.mean_osl)
+        active = self._note_activity(observation)
+        if config.mode == "sla":
+            self._correct(observation)
+            needs = self._sla_needs()
+            targets, reasons = self._sla_targets(current, needs)
+        else:
+            needs = dict.fromkeys(self.pools, NAN)
+            targets, reasons = self._load_targets(current, observation)
+        idle = (config.idle_s is not None and not active and self._last_active_s is not None
+                and now_s - self._last_active_s >= config.idle_s)
+        for pool in self.pools:
+            if idle:
+                targets[pool], reasons[pool] = 0, "idle"
+            elif targets[pool] < config.min_of(pool):
+                targets[pool], reasons[pool] = config.min_of(pool), "bound"
+        serving_pools = [p for p in _SERVING if p in self.pools]
+        if active and not any(current[p] for p in serving_pools):  # a request for a fleet at zero
+            for pool in serving_pools:
+                targets[pool], reasons[pool] = max(1, config.min_of(pool), targets[pool]), "wake"
+        for pool, num in self._overrides.items():
+            targets[pool], reasons[pool] = num, "override"
+        self._apply_budget(targets, reasons, needs)
+        self.targets = dict(targets)
+        return Decision(now_s, targets, reasons, needs, dict(self.corrections), _or_nan(self._rate.predict()),
+                        _or_nan(self._isl.predict()), _or_nan(self._osl.predict()))
+
+    def _note_activity(self, observation: Observation) -> bool:
+        rate = observation.request_rate_per_s
+        active = ((math.isfinite(rate) and rate > 0) or observation.num_waiting_for_worker > 0
+                  or any(p.num_waiting > 0 or p.num_running > 0 for p in observation.pools.values()))
+        if active or self._last_active_s is None:
+            self._last_active_s = observation.now_s
+        return active
+
+    # ---- sla mode ----------------------------------------------------------------------------------------
+
+    def _sla_needs(self) -> dict[str, float]:
+        """Workers each pool needs for the predicted load (fractional), corrected."""
+        assert self.profile is not None
+        config, profile = self.config, self.profile
+        # the predictor may see a rise coming, but never hides one already here (a smoothed prediction lags a
+        # step up by intervals; scaling down is slow anyway, behind the down delay)
+        rate = max(self._rate.predict() or 0.0, self._observed_rate)
+        isl, osl = self._isl.predict(), self._osl.predict()
+        needs: dict[str, float] = {}
+        for pool in self.pools:
+            if rate <= 0 or isl is None or osl is None:
+                needs[pool] = 0.0
+                continue
+            prefill = decode = 0.0
+            if pool in ("prefill", "both"):
+                capacity = profile.prefill_capacity_tokens_per_s(isl, config.ttft_target_s)
+                prefill = rate * isl / capacity if capacity > 0 else math.inf
+            if pool in ("decode", "both"):
+                capacity = profile.decode_capacity_tokens_per_s(isl + osl / 2, config.itl_target_s)
+                decode = rate * osl / capacity if capacity > 0 else math.inf
+            needs[pool] = (prefill + decode) * self.corrections[pool]
+        return needs
+
+    def _sla_targets(self, current: Mapping[str, int], needs: Mapping[str, float]
+                     ) -> tuple[dict[str, int], dict[str, str]]:
+        config = self.config
+        targets: dict[str, int] = {}
+        reasons: dict[str, str] = {}
+        for pool in self.pools:
+            now, need = current[pool], needs[pool]
+            wanted = config.max_of(pool) if math.isinf(need) else min(math.ceil(need - 1e-9), config.max_of(pool))
+            if wanted > now:
+                self._lower_streak[pool] = 0
+                targets[pool], reasons[pool] = min(wanted, now + config.max_step_up), "sla_up"
+                continue
+            # one worker fewer still carries the need with `down_margin` to spare
+            fits_fewer = now > 0 and not math.isinf(need) and need <= (now - 1) * (1 - config.down_margin)
+            targets[pool], reasons[pool] = self._maybe_down(pool, now, fits_fewer, max(wanted, 0), "sla_down")
+        return targets, reasons
+
+    def _correct(self, observation: Observation) -> None:
+        """Move each pool's correction toward observed / expected latency at the load it carries now."""
+        assert self.profile is not None
+        profile, config = self.profile, self.config
+        rate, isl, osl = observation.request_rate_per_s, observation.mean_isl, observation.mean_osl
+        if not (math.isfinite(rate) and rate > 0 and math.isfinite(isl) and math.isfinite(osl)):
+            return
+        low, high = config.correction_bounds
+        for pool in self.pools:
+            seen = observation.pools.get(pool)
+            if seen is None or seen.num_workers <= 0:
+                continue
+            ratios = []
+            if pool in ("prefill", "both") and math.isfinite(seen.ttft_s):
+                expected = profile.expected_ttft_s(isl, rate * isl / seen.num_workers)
+                if math.isfinite(expected) and expected > 0:
+                    ratios.append(seen.ttft_s / expected)
+            if pool in ("decode", "both") and math.isfinite(seen.itl_s) and seen.num_running > 0:
+                expected = profile.expected_itl_s(isl + osl / 2, seen.num_running / seen.num_workers)
+                if math.isfinite(expected) and expected > 0:
+                    ratios.append(seen.itl_s / expected)
+            if ratios:
+                ratio = min(high, max(low, max(ratios)))
+                alpha = config.correction_alpha
+                self.corrections[pool] = alpha * ratio + (1 - alpha) * self.corrections[pool]
+
+    # ---- load mode ---------------------------------------------------------------------------------------
+
+    def _load_targets(self, current: Mapping[str, int], observation: Observation
+                      ) -> tuple[dict[str, int], dict[str, str]]:
+        config = self.config
+        targets: dict[str, int] = {}
+        reasons: dict[str, str] = {}
+        for pool in self.pools:
+            now = current[pool]
+            seen = observation.pools.get(pool, PoolObservation(num_workers=now))
+            latencies = []  # observed / target of each signal this pool answers for
+            if pool in ("prefill", "both"):
+                latencies.append(seen.ttft_s / config.ttft_target_s)
+            if pool in ("decode", "both"):
+                latencies.append(seen.itl_s / config.itl_target_s)
+            known = [x for x in latencies if math.isfinite(x)]
+            queue_per_worker = seen.num_waiting / max(1, seen.num_workers)
+            if (known and max(known) > 1) or queue_per_worker > config.load_queue_per_worker:
+                self._lower_streak[pool] = 0
+                grown = min(config.max_of(pool), now + config.max_step_up)
+                targets[pool], reasons[pool] = (grown, "load_up") if grown > now else (now, "hold")
+                continue
+            comfortable = seen.num_waiting == 0 and all(x < config.load_headroom for x in known)
+            targets[pool], reasons[pool] = self._maybe_down(pool, now, comfortable and now > 0,
+                                                            now - config.max_step_down, "load_down")
+        return targets, reasons
+
+    # ---- shared ------------------------------------------------------------------------------------------
+
+    def _maybe_down(self, pool: str, now: int, lower: bool, to: int, reason: str) -> tuple[int, str]:
+        """Shrink `pool` toward `to` (by `max_step_down` at most) once a lower need has held for
+        `down_delay_intervals` decisions in a row; else hold."""
+        config = self.config
+        if not lower:
+            self._lower_streak[pool] = 0
+            return min(now, config.max_of(pool)), "hold" if now <= config.max_of(pool) else "bound"
+        self._lower_streak[pool] += 1
+        if self._lower_streak[pool] < config.down_delay_intervals:
+            return now, "hold"
+        self._lower_streak[pool] = 0
+        return max(to, now - config.max_step_down, 0), reason
+
+    def _apply_budget(self, targets: dict[str, int], reasons: dict[str, str], needs: Mapping[str, float]) -> None:
+        """Trim the planned pools until the total fits `max_total_workers`: each time the pool with the most
+        workers per unit of need (the most to spare) gives one, never below one worker while it has a need."""
+        budget = self.config.max_total_workers
+        if budget is None:
+            return
+        while sum(targets.values()) > budget:
+            candidates = [p for p in self.pools if p not in self._overrides and targets[p] > 0]
+            if not candidates:
+                return  # overrides alone exceed the budget: they hold
+            floor = [p for p in candidates if targets[p] > 1 or not needs.get(p, 0.0) > 0]
+            pool = max(floor or candidates, key=lambda p: targets[p] / max(needs.get(p, 0.0), 1e-9)
+                       if math.isfinite(needs.get(p, NAN)) else targets[p])
+            targets[pool] -= 1
+            reasons[pool] = "budget"
+
+
+def _or_nan(value: float | None) -> float:
+    return NAN if value is None else value
+
+
+def with_targets(observation: Observation, targets: Mapping[str, int]) -> Observation:
+    """`observation` with each pool's worker count replaced (trace replay: the fleet is what was decided)."""
+    pools = {p: replace(o, num_workers=targets.get(p, o.num_workers)) for p, o in observation.pools.items()}
+    return replace(observation, pools=pools)

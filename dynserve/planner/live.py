@@ -1,0 +1,263 @@
+"""The planner live: thin connectors around the pure core (`core.py`).
+
+- `PrometheusReader` turns the fleet's metrics into an `Observation`: the gateway's request rate and mean ISL
+  and OSL, and per pool (the workers' `role`) its TTFT and ITL (the mean in the sla mode, whose corrections
+  compare it with the profile's expected mean; a quantile, p90 by default, in the load mode), queued and
+  running requests, and the requests the gateway holds for a worker. Over `window_s`: at 60 s it reads the
+  recording rules of `observability/rules.py` where they exist, otherwise the raw series.
+- `Actuator` is what carries a decision out: `PoolActuator` grows and shrinks Ray `WorkerPool`s (a removed
+  worker drains first: no request is cut, a prefill's leased blocks are released or expire); the Kubernetes
+  operator implements the same interface by patching its resource.
+- `PlannerMetrics`: the planner's own `dynserve_planner_*` series (decided and serving workers per pool,
+  predicted load, observed against target TTFT and ITL, needs and corrections, decisions by reason).
+- `PlannerLoop`: every `interval_s` (and at once when `wake` is called: a request is waiting for a fleet at
+  zero) read, decide, act, record. A failed read skips the interval (the fleet keeps its size); a failed
+  scaling is logged and retried by the next decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from dynserve.errors import PrometheusError
+from dynserve.observability.promql import PrometheusClient
+from dynserve.planner.core import Decision, Observation, PlannerCore, PoolObservation
+
+__all__ = ["Actuator", "PlannerLoop", "PlannerMetrics", "PoolActuator", "PrometheusReader"]
+
+logger = logging.getLogger(__name__)
+
+
+class PrometheusReader:
+    """Reads an `Observation` of `pools` from Prometheus (blocking HTTP; run it off the event loop)."""
+
+    def __init__(self, client: PrometheusClient, pools: tuple[str, ...], *, window_s: float = 60.0,
+                 statistic: str = "mean") -> None:
+        """`statistic`: "mean", or a quantile such as "0.9", of the pools' TTFT and ITL."""
+        self.client, self.pools = client, pools
+        self.window = f"{round(window_s)}s" if window_s != 60 else "1m"
+        self.statistic = statistic
+
+    def queries(self) -> dict[str, str]:
+        w = self.window
+        rules = w == "1m"
+        queries = {
+            "rate": "dynserve:requests:rate1m" if rules else f"sum(rate(dynserve_requests_total[{w}]))",
+            "isl": "dynserve:prompt_tokens:mean1m" if rules else _mean("dynserve_request_prompt_tokens", w, ""),
+            "osl": "dynserve:generation_tokens:mean1m" if rules else _mean("dynserve_request_generation_tokens",
+                                                                           w, ""),
+            "waiting_for_worker": "sum(dynserve_gateway_waiting_for_worker_requests)",
+            "workers": "count by (role) (dynserve_worker_kv_blocks_capacity)",
+            "waiting": "sum by (role) (dynserve_worker_waiting_requests)",
+            "running": "sum by (role) (dynserve_worker_running_requests)",
+        }
+        for name, metric in (("ttft", "dynserve_worker_time_to_first_token_seconds"),
+                             ("itl", "dynserve_worker_inter_token_latency_seconds")):
+            if self.statistic == "mean":
+                queries[name] = _mean(metric, w, "role")
+            else:
+                quantile = float(self.statistic)
+                rule = f"role:{metric}:p{round(quantile * 100)}"
+                queries[name] = rule if rules and quantile in (0.5, 0.9, 0.99) else (
+                    f"histogram_quantile({quantile}, sum by (le, role) (rate({metric}_bucket[{w}])))")
+        return queries
+
+    def observe(self, now_s: float) -> Observation:
+        """The fleet now; raises PrometheusError when Prometheus cannot answer."""
+        results = {name: self.client.query(expr) for name, expr in self.queries().items()}
+
+        def scalar(name: str) -> float:
+            return results[name][0].value if results[name] else math.nan
+
+        def by_role(name: str, default: float) -> dict[str, float]:
+            values = {s.get("role"): s.value for s in results[name]}
+            return {pool: values.get(pool, default) for pool in self.pools}
+
+        workers, ttft, itl = by_role("workers", 0), by_role("ttft", math.nan), by_role("itl", math.nan)
+        waiting, running = by_role("waiting", 0.0), by_role("running", 0.0)
+        pools = {pool: PoolObservation(num_workers=int(workers[pool]), ttft_s=ttft[pool], itl_s=itl[pool],
+                                       num_waiting=waiting[pool], num_running=running[pool])
+                 for pool in self.pools}
+        waiting_for_worker = scalar("waiting_for_worker")
+        return Observation(now_s=now_s, pools=pools, request_rate_per_s=scalar("rate"),
+                           mean_isl=scalar("isl"), mean_osl=scalar("osl"),
+                           num_waiting_for_worker=int(waiting_for_worker) if math.isfinite(waiting_for_worker) else 0)
+
+
+def _mean(metric: str, window: str, by: str) -> str:
+    group = f"sum by ({by}) " if by else "sum"
+    return f"{group}(rate({metric}_sum[{window}])) / {group}(rate({metric}_count[{window}]))"
+
+
+class Actuator(Protocol):
+    """Carries decisions out: `current()` is each pool's worker count as the actuator has set it (starting
+    and serving workers), `scale(pool, n)` brings the pool to `n` workers (returning once done)."""
+
+    def current(self) -> dict[str, int]: ...
+
+    async def scale(self, pool: str, num_workers: int) -> None: ...
+
+
+class PoolActuator:
+    """Scales Ray `WorkerPool`s (`pools`: pool name -> pool; used through `policy.num_active`, `add()` and
+    `remove()`): new workers start together; removed ones drain (their in-flight requests finish)."""
+
+    def __init__(self, pools: Mapping[str, Any]) -> None:
+        self.pools = dict(pools)
+
+    def current(self) -> dict[str, int]:
+        return {name: pool.policy.num_active for name, pool in self.pools.items()}
+
+    def serving(self) -> dict[str, int]:
+        return {name: len(pool.workers()) for name, pool in self.pools.items()}
+
+    async def scale(self, pool: str, num_workers: int) -> None:
+        target = self.pools[pool]
+        delta = num_workers - target.policy.num_active
+        if delta > 0:
+            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.num_active, num_workers)
+            results = await asyncio.gather(*(target.add() for _ in range(delta)), return_exceptions=True)
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if failed:  # the pool replaces them per its restart policy
+                logger.warning("planner: %d of %d new workers of pool %s failed to start: %s", len(failed), delta,
+                               pool, failed[0])
+        elif delta < 0:
+            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.num_active, num_workers)
+            await asyncio.gather(*(target.remove() for _ in range(-delta)))
+
+
+class PlannerMetrics:
+    """The planner's series, read at scrape time from its last decision (a collector: register it on a
+    registry, e.g. the gateway's)."""
+
+    def __init__(self, core: PlannerCore, serving: Callable[[], Mapping[str, int]]) -> None:
+        self.core, self._serving = core, serving
+        self.last: Decision | None = None
+        self.last_observation: Observation | None = None
+        self.decisions: dict[tuple[str, str], int] = {}  # (pool, reason) -> decisions that changed the pool
+
+    def record(self, observation: Observation, decision: Decision, changed: Mapping[str, int]) -> None:
+        self.last_observation, self.last = observation, decision
+        for pool in changed:
+            key = (pool, decision.reasons[pool])
+            self.decisions[key] = self.decisions.get(key, 0) + 1
+
+    def collect(self) -> Iterator[Metric]:
+        config, decision, observation = self.core.config, self.last, self.last_observation
+        decided = GaugeMetricFamily("dynserve_planner_workers_target", "Workers the planner wants per pool",
+                                    labels=["pool"])
+        serving = GaugeMetricFamily("dynserve_planner_workers_serving", "Workers serving per pool", labels=["pool"])
+        overridden = GaugeMetricFamily("dynserve_planner_override_workers", "A pool's manual override (absent: "
+                                       "none)", labels=["pool"])
+        for pool, count in self._serving().items():
+            serving.add_metric([pool], count)
+        for pool, count in self.core.overrides.items():
+            overridden.add_metric([pool], count)
+        need = GaugeMetricFamily("dynserve_planner_workers_needed", "Workers the predicted load needs (sla mode, "
+                                 "fractional, corrected)", labels=["pool"])
+        correction = GaugeMetricFamily("dynserve_planner_correction_ratio", "Observed over the profile's expected "
+                                       "latency, smoothed (sla mode)", labels=["pool"])
+        observed = GaugeMetricFamily("dynserve_planner_observed_latency_seconds", "The pools' TTFT and ITL as the "
+                                     "planner read them", labels=["pool", "kind"])
+        if decision is not None:
+            for pool, count in decision.targets.items():
+                decided.add_metric([pool], count)
+            for pool, value in decision.needs.items():
+                if math.isfinite(value):
+                    need.add_metric([pool], value)
+            for pool, value in decision.corrections.items():
+                correction.add_metric([pool], value)
+        if observation is not None:
+            for pool, seen in observation.pools.items():
+                for kind, value in (("ttft", seen.ttft_s), ("itl", seen.itl_s)):
+                    if math.isfinite(value):
+                        observed.add_metric([pool, kind], value)
+        target = GaugeMetricFamily("dynserve_planner_target_latency_seconds", "The planner's TTFT and ITL targets",
+                                   labels=["kind"])
+        target.add_metric(["ttft"], config.ttft_target_s)
+        target.add_metric(["itl"], config.itl_target_s)
+        predicted = GaugeMetricFamily("dynserve_planner_predicted", "The predicted load of the next interval: "
+                                      "request rate (per second), mean ISL and OSL (tokens)", labels=["quantity"])
+        if decision is not None:
+            for quantity, value in (("request_rate", decision.predicted_rate_per_s),
+                                    ("isl", decision.predicted_isl), ("osl", decision.predicted_osl)):
+                if math.isfinite(value):
+                    predicted.add_metric([quantity], value)
+        decisions = CounterMetricFamily("dynserve_planner_decisions", "Changes of a pool's target, by reason",
+                                        labels=["pool", "reason"])
+        for (pool, reason), count in sorted(self.decisions.items()):
+            decisions.add_metric([pool, reason], count)
+        yield from (decided, serving, overridden, need, correction, observed, target, predicted, decisions)
+
+
+class PlannerLoop:
+    """Runs the core every `interval_s` against the live fleet (see the module doc)."""
+
+    def __init__(self, core: PlannerCore, reader: PrometheusReader, actuator: PoolActuator | Actuator, *,
+                 metrics: PlannerMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.core, self.reader, self.actuator, self.metrics, self.clock = core, reader, actuator, metrics, clock
+        self._wake = asyncio.Event()
+        self._scaling: dict[str, asyncio.Task[None]] = {}
+        self.decisions: list[Decision] = []  # the last 1000, oldest first
+
+    def wake(self) -> None:
+        """Decide now (a request is waiting for a worker)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.core.config.interval_s)
+                self._wake.clear()
+                await self.tick()
+        finally:
+            for task in self._scaling.values():
+                task.cancel()
+
+    async def tick(self) -> Decision | None:
+        """One read-decide-act round; None when Prometheus could not be read."""
+        try:
+            observation = await asyncio.to_thread(self.reader.observe, self.clock())
+        except PrometheusError as exc:
+            logger.warning("planner: cannot read the fleet's metrics (%s); keeping the pools as they are", exc)
+            return None
+        current = self.actuator.current()
+        pools = {p: PoolObservation(current.get(p, o.num_workers), o.ttft_s, o.itl_s, o.num_waiting, o.num_running)
+                 for p, o in observation.pools.items()}
+        observation = Observation(observation.now_s, pools, observation.request_rate_per_s, observation.mean_isl,
+                                  observation.mean_osl, observation.num_waiting_for_worker)
+        decision = self.core.decide(observation)
+        changed = {p: n for p, n in decision.targets.items() if current.get(p) != n}
+        for pool, count in changed.items():
+            self._scale(pool, count)
+        if self.metrics is not None:
+            self.metrics.record(observation, decision, changed)
+        self.decisions = [*self.decisions[-999:], decision]
+        if changed:
+            logger.info("planner: %s", ", ".join(f"{p} -> {n} ({decision.reasons[p]})" for p, n in changed.items()))
+        return decision
+
+    def _scale(self, pool: str, count: int) -> None:
+        """Bring `pool` to `count` in the background; a newer decision for the pool waits for the running one
+        and then applies (the actuator's count is what the next decision starts from)."""
+        previous = self._scaling.get(pool)
+
+        async def run() -> None:
+            if previous is not None and not previous.done():
+                with contextlib.suppress(Exception):
+                    await previous
+            try:
+                await self.actuator.scale(pool, count)
+            except Exception:
+                logger.exception("planner: scaling pool %s to %d failed", pool, count)
+
+        self._scaling[pool] = asyncio.create_task(run(), name=f"planner-scale-{pool}")

@@ -1,0 +1,173 @@
+"""The planner's pure core on synthetic observations, with a hand-built capacity profile: it scales up under
+rising load and down under falling, goes to zero when idle and back on demand, holds still on noisy flat
+load, and keeps the manual override, the bounds and the budget. Also the predictors."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from dynserve.planner.core import Observation, PlannerConfig, PlannerCore, PoolObservation
+from dynserve.planner.predictors import ConstantPredictor, EwmaPredictor, HoltPredictor, make_predictor
+from dynserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
+
+ISL, OSL = 1024, 128
+INTERVAL_S = 10.0
+
+
+def _profile() -> CapacityProfile:
+    """A worker that prefills 8k tokens/s (TTFT alone 20 ms + 125 us a token) and decodes a step in 10 ms +
+    1 ms a sequence + 1 us a context token."""
+    prefill = tuple(PrefillPoint(isl, 0.02 + isl / 8_000, 8_000.0) for isl in (128, 512, 1024, 2048, 4096, 8192))
+    decode = tuple(DecodePoint(context, batch, 0.01 + 0.001 * batch + context * 1e-6)
+                   for context in (512, 2048, 8192) for batch in (1, 2, 4, 8, 16, 32, 64))
+    return CapacityProfile(name="synthetic", source="hand-built for tests", created="2026-11-24", block_size=16,
+                           max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=16384,
+                           num_kv_blocks=10_000, prefill=prefill, decode=decode)
+
+
+def _config(**overrides: object) -> PlannerConfig:
+    base = dict(ttft_target_s=0.3, itl_target_s=0.03, interval_s=INTERVAL_S, predictor="ewma",
+                min_workers={"prefill": 1, "decode": 1}, max_workers={"prefill": 10, "decode": 10})
+    base.update(overrides)
+    return PlannerConfig(**base)  # type: ignore[arg-type]
+
+
+def _observe(core: PlannerCore, step: int, rate: float, *, waiting_for_worker: int = 0,
+             running: float | None = None) -> dict[str, int]:
+    targets = core.targets or {p: 1 for p in core.pools}
+    busy = rate > 0
+    pools = {p: PoolObservation(num_workers=targets[p], num_running=(rate * 2 if running is None else running)
+                                if busy else 0.0) for p in core.pools}
+    observation = Observation(now_s=step * INTERVAL_S, pools=pools, request_rate_per_s=rate if busy else math.nan,
+                              mean_isl=ISL if busy else math.nan, mean_osl=OSL if busy else math.nan,
+                              num_waiting_for_worker=waiting_for_worker)
+    return core.decide(observation).targets
+
+
+def _run(core: PlannerCore, rates: list[float], start: int = 0) -> list[dict[str, int]]:
+    return [_observe(core, start + i, rate) for i, rate in enumerate(rates)]
+
+
+def test_sla_mode_scales_up_under_rising_load_and_down_under_falling() -> None:
+    core = PlannerCore(_config(), ("prefill", "decode"), _profile())
+    rising = _run(core, [1, 2, 4, 6, 8, 10, 12, 14, 16, 16, 16])
+    assert [t["prefill"] for t in rising] == sorted(t["prefill"] for t in rising)
+    assert rising[-1]["prefill"] >= 3 and rising[-1]["decode"] >= 3, rising[-1]
+    assert rising[-1]["prefill"] > rising[0]["prefill"] and rising[-1]["decode"] > rising[0]["decode"]
+    falling = _run(core, [12, 8, 5, 3, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1], start=len(rising))
+    assert [t["decode"] for t in falling] == sorted((t["decode"] for t in falling), reverse=True)
+    assert falling[-1] == {"prefill": 1, "decode": 1}
+
+
+def test_the_need_matches_the_profile() -> None:
+    profile = _profile()
+    core = PlannerCore(_config(predictor="constant"), ("prefill", "decode"), profile)
+    decision = core.decide(Observation(0.0, {p: PoolObservation(1) for p in core.pools}, 16.0, ISL, OSL))
+    prefill_need = 16 * ISL / profile.prefill_capacity_tokens_per_s(ISL, 0.3)
+    decode_need = 16 * OSL / profile.decode_capacity_tokens_per_s(ISL + OSL / 2, 0.03)
+    assert decision.needs["prefill"] == pytest.approx(prefill_need)
+    assert decision.needs["decode"] == pytest.approx(decode_need)
+    assert decision.targets == {"prefill": min(1 + 4, math.ceil(prefill_need)),
+                                "decode": min(1 + 4, math.ceil(decode_need))}
+
+
+def test_an_aggregated_pool_needs_both_prefill_and_decode() -> None:
+    profile = _profile()
+    config = _config(predictor="constant", min_workers={"both": 1}, max_workers={"both": 20}, max_step_up=20)
+    core = PlannerCore(config, ("both",), profile)
+    decision = core.decide(Observation(0.0, {"both": PoolObservation(1)}, 16.0, ISL, OSL))
+    need = (16 * ISL / profile.prefill_capacity_tokens_per_s(ISL, 0.3)
+            + 16 * OSL / profile.decode_capacity_tokens_per_s(ISL + OSL / 2, 0.03))
+    assert decision.needs["both"] == pytest.approx(need)
+    assert decision.targets["both"] == math.ceil(need)
+
+
+def test_idle_goes_to_zero_and_the_first_request_wakes_it() -> None:
+    core = PlannerCore(_config(idle_s=60.0), ("prefill", "decode"), _profile())
+    _run(core, [5, 5, 5])
+    quiet = _run(core, [0] * 10, start=3)
+    zero_at = next(i for i, t in enumerate(quiet) if t == {"prefill": 0, "decode": 0})
+    assert 5 <= zero_at <= 7  # 60 s (6 intervals) after the last request, not before
+    assert all(t == {"prefill": 0, "decode": 0} for t in quiet[zero_at:])
+    woken = _observe(core, 20, 0, waiting_for_worker=1)  # a request the gateway holds
+    assert woken["decode"] >= 1
+    assert core.decide(Observation(21 * INTERVAL_S, {p: PoolObservation(woken[p]) for p in core.pools},
+                                   0.5, ISL, OSL)).targets["decode"] >= 1
+
+
+def test_noisy_flat_load_changes_the_fleet_at_most_twice_in_30_intervals() -> None:
+    for predictor in ("constant", "ewma", "holt"):
+        for seed in range(5):
+            noise = random.Random(seed)
+            core = PlannerCore(_config(predictor=predictor), ("prefill", "decode"), _profile())
+            _run(core, [10.0] * 3)  # settled on the load
+            history = _run(core, [10.0 * noise.uniform(0.85, 1.15) for _ in range(30)], start=3)
+            changes = sum(a != b for a, b in zip(history, history[1:], strict=False))
+            assert changes <= 2, (predictor, seed, history)
+
+
+def test_load_mode_grows_an_overloaded_pool_and_shrinks_a_comfortable_one_after_a_delay() -> None:
+    config = _config(mode="load", down_delay_intervals=3)
+    core = PlannerCore(config, ("prefill", "decode"))
+
+    def decide(step: int, ttft_s: float, itl_s: float, waiting: float = 0.0) -> dict[str, int]:
+        targets = core.targets or {"prefill": 2, "decode": 2}
+        pools = {"prefill": PoolObservation(targets["prefill"], ttft_s=ttft_s, num_waiting=waiting),
+                 "decode": PoolObservation(targets["decode"], itl_s=itl_s, num_running=4)}
+        return core.decide(Observation(step * INTERVAL_S, pools, 5.0, ISL, OSL)).targets
+
+    assert decide(0, ttft_s=0.6, itl_s=0.02) == {"prefill": 6, "decode": 2}  # TTFT 2x over: up by the step
+    assert decide(1, ttft_s=0.1, itl_s=0.05)["decode"] == 6  # ITL over
+    assert decide(2, ttft_s=0.2, itl_s=0.02, waiting=40) == {"prefill": 10, "decode": 6}  # queue; max 10
+    held = [decide(3 + i, ttft_s=0.05, itl_s=0.005) for i in range(2)]
+    assert held == [{"prefill": 10, "decode": 6}] * 2  # comfortable, but not yet for 3 intervals
+    assert decide(5, ttft_s=0.05, itl_s=0.005) == {"prefill": 9, "decode": 5}
+
+
+def test_an_override_holds_until_released_and_the_budget_binds_the_rest() -> None:
+    core = PlannerCore(_config(max_total_workers=6, max_step_up=10), ("prefill", "decode"), _profile())
+    core.override("decode", 2)
+    for targets in _run(core, [30.0] * 4):
+        assert targets["decode"] == 2  # the override holds under any load
+        assert sum(targets.values()) <= 6  # and the planner's pools share what the budget leaves
+    assert core.targets == {"prefill": 4, "decode": 2}
+    core.release("decode")
+    after = _run(core, [30.0] * 3, start=4)[-1]
+    assert after["decode"] > 2 and sum(after.values()) == 6
+    with pytest.raises(ValueError, match="outside"):
+        core.override("decode", 11)
+    with pytest.raises(ValueError, match="no pool"):
+        core.override("both", 1)
+
+
+def test_bounds_hold_and_a_correction_follows_a_slower_fleet() -> None:
+    core = PlannerCore(_config(max_workers={"prefill": 3, "decode": 3}), ("prefill", "decode"), _profile())
+    assert all(t["prefill"] <= 3 and t["decode"] <= 3 for t in _run(core, [100.0] * 5))
+    slow = PlannerCore(_config(predictor="constant"), ("prefill", "decode"), _profile())
+    expected = _profile().expected_ttft_s(ISL, 4 * ISL / 1)
+    for step in range(8):  # the prefill pool answers twice as slowly as its profile says
+        slow.decide(Observation(step * INTERVAL_S, {"prefill": PoolObservation(1, ttft_s=2 * expected),
+                                                    "decode": PoolObservation(1)}, 4.0, ISL, OSL))
+    assert 1.8 < slow.corrections["prefill"] <= 2.0
+    assert slow.corrections["decode"] == 1.0
+
+
+def test_predictors() -> None:
+    constant, ewma, holt = ConstantPredictor(), EwmaPredictor(alpha=0.5), HoltPredictor()
+    assert constant.predict() is None and ewma.predict() is None and holt.predict() is None
+    for value in (10.0, 20.0, 30.0, 40.0, 50.0, math.nan):
+        for predictor in (constant, ewma, holt):
+            predictor.observe(value)
+    assert constant.predict() == 50.0  # NaN skipped
+    assert ewma.predict() == pytest.approx(40.625)  # lags the trend
+    holt_prediction = holt.predict()
+    assert holt_prediction is not None and 50.0 < holt_prediction < 65.0  # extrapolates it
+    falling = HoltPredictor()
+    for value in (50.0, 30.0, 10.0, 0.0, 0.0):
+        falling.observe(value)
+    assert falling.predict() == 0.0  # never negative
+    with pytest.raises(ValueError, match="unknown predictor"):
+        make_predictor("kalman")

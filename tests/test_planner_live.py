@@ -1,0 +1,138 @@
+"""The planner live: `dynctl serve --planner` over a mocker pool, reading a real Prometheus it runs. A step of
+load makes it add workers within 3 intervals; idleness takes the pool down (to zero, with `--planner-idle-s`)
+and the next request wakes it and is served, not refused; a manual override holds; no request fails
+throughout. (The decisions themselves are tested on synthetic observations in tests/test_planner_core.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import local_dynctl_serve
+from dynserve.observability.promql import PrometheusClient
+
+DYNCTL = str(Path(sys.executable).with_name("dynctl"))
+MODEL = "SmolLM2-135M-Instruct"
+INTERVAL_S = 2.0
+# mockers of this machine's engine at 10x: the shipped `cpu` capacity profile, scaled by the speedup
+COMMAND = [DYNCTL, "serve", "--mocker", "cpu", "--mocker-speedup", "10", "--workers", "1", "--planner",
+           "--planner-interval-s", str(INTERVAL_S), "--planner-window-s", "3", "--scrape-interval-s", "1",
+           "--planner-ttft-ms", "150", "--planner-itl-ms", "15", "--planner-max-workers", "4",
+           "--planner-idle-s", "15", "--port", "0"]
+
+
+class _Watch:
+    """Polls GET /planner every 0.2 s from a thread: (monotonic time, targets, serving) over time."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.samples = url, []  # type: ignore[var-annotated]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5) as http:
+            while not self._stop.wait(0.2):
+                state = http.get(f"{self.url}/planner").json()
+                self.samples.append((time.monotonic(), state["targets"]["both"], state["serving"]["both"]))
+
+    def first(self, predicate: Any, after_s: float, timeout_s: float) -> float:
+        """Seconds from `after_s` to the first sample after it where predicate(target, serving) holds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for at_s, target, serving in list(self.samples):
+                if at_s >= after_s and predicate(target, serving):
+                    return at_s - after_s
+            time.sleep(0.2)
+        raise AssertionError(f"not within {timeout_s} s: {self.samples[-20:]}")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def _load(url: str, concurrency: int, duration_s: float) -> list[int]:
+    statuses: list[int] = []
+    body = {"model": MODEL, "max_tokens": 48, "messages": [{"role": "user", "content": "tell me a story " * 40}]}
+
+    async def user(http: httpx.AsyncClient) -> None:
+        end_s = time.monotonic() + duration_s
+        while time.monotonic() < end_s:
+            statuses.append((await http.post(f"{url}/v1/chat/completions", json=body)).status_code)
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        await asyncio.gather(*(user(http) for _ in range(concurrency)))
+    return statuses
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[str]:
+    with local_dynctl_serve(COMMAND, 180) as served:
+        assert "Planner: sla mode" in served.banner, served.banner
+        # Prometheus hands new targets to its scrapers every 5 s: the fleet is watched once both are up
+        match = re.search(r"Prometheus: (http://\S+?)[;\s]", served.banner)
+        assert match is not None, served.banner
+        with PrometheusClient(match.group(1)) as prometheus:
+            deadline_s = time.monotonic() + 30
+            while [t.health for t in prometheus.targets()] != ["up", "up"]:
+                assert time.monotonic() < deadline_s, prometheus.targets()
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{served.port}"
+    assert served.code == 0, served.rest
+
+
+def test_a_load_step_scales_up_within_3_intervals_and_idleness_scales_to_zero_and_back(fleet: str) -> None:
+    watch = _Watch(fleet)
+    try:
+        # the load comes at once: before the idle fleet (15 s without a request) goes to zero
+        watch.first(lambda target, serving: target == serving == 1, time.monotonic(), 3)
+        started_s = time.monotonic()
+        loaded: dict[str, list[int]] = {}
+        thread = threading.Thread(target=lambda: loaded.setdefault("statuses", asyncio.run(_load(fleet, 16, 14))))
+        thread.start()
+        scale_up_s = watch.first(lambda target, _serving: target > 1, started_s, 3 * INTERVAL_S + 1)
+        assert scale_up_s <= 3 * INTERVAL_S, scale_up_s
+        watch.first(lambda target, serving: serving == target > 1, started_s, 30)  # the new workers serve
+        thread.join()
+        statuses = loaded["statuses"]
+        assert len(statuses) > 50 and set(statuses) == {200}, sorted(set(statuses))
+        idle_s = time.monotonic()
+        watch.first(lambda target, serving: target == serving == 0, idle_s, 50)  # down, then to zero
+        targets = [target for at_s, target, _ in watch.samples if at_s >= idle_s]
+        assert targets == sorted(targets, reverse=True), targets  # only ever down while idle
+        woken_s = time.monotonic()
+        answer = httpx.post(f"{fleet}/v1/chat/completions", timeout=120,
+                            json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200, answer.text  # held while a worker started, then served
+        assert time.monotonic() - woken_s < 30
+        assert watch.first(lambda target, serving: serving >= 1, woken_s, 1) >= 0
+    finally:
+        watch.stop()
+
+
+def test_a_manual_override_holds_until_released(fleet: str) -> None:
+    with httpx.Client(timeout=10) as http:
+        state = http.put(f"{fleet}/planner/pools/both", json={"workers": 2}).json()
+        assert state["overrides"] == {"both": 2}
+        assert http.put(f"{fleet}/planner/pools/both", json={"workers": 9}).status_code == 400  # over the max
+        assert http.put(f"{fleet}/planner/pools/nope", json={"workers": 1}).status_code == 404
+        deadline_s = time.monotonic() + 30
+        while http.get(f"{fleet}/planner").json()["serving"]["both"] != 2:
+            assert time.monotonic() < deadline_s
+            time.sleep(0.2)
+        time.sleep(3 * INTERVAL_S)  # idle, yet the override holds
+        state = http.get(f"{fleet}/planner").json()
+        assert state["targets"]["both"] == 2 and state["last_decision"]["reasons"]["both"] == "override"
+        assert http.delete(f"{fleet}/planner/pools/both").json()["overrides"] == {}
+        metrics = http.get(f"{fleet}/metrics").text
+        assert 'dynserve_planner_workers_target{pool="both"}' in metrics
+        assert 'dynserve_planner_decisions_total{pool="both",reason="override"} 1.0' in metrics
