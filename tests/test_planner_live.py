@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from conftest import local_dynctl_serve
+from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
 
 DYNCTL = str(Path(sys.executable).with_name("dynctl"))
@@ -75,12 +76,18 @@ async def _load(url: str, concurrency: int, duration_s: float) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def fleet() -> Iterator[str]:
+def prometheus_url() -> Iterator[list[str]]:
+    yield []  # filled by `fleet`
+
+
+@pytest.fixture(scope="module")
+def fleet(prometheus_url: list[str]) -> Iterator[str]:
     with local_dynctl_serve(COMMAND, 180) as served:
         assert "Planner: sla mode" in served.banner, served.banner
         # Prometheus hands new targets to its scrapers every 5 s: the fleet is watched once both are up
         match = re.search(r"Prometheus: (http://\S+?)[;\s]", served.banner)
         assert match is not None, served.banner
+        prometheus_url.append(match.group(1))
         with PrometheusClient(match.group(1)) as prometheus:
             deadline_s = time.monotonic() + 30
             while [t.health for t in prometheus.targets()] != ["up", "up"]:
@@ -119,7 +126,7 @@ def test_a_load_step_scales_up_within_3_intervals_and_idleness_scales_to_zero_an
         watch.stop()
 
 
-def test_a_manual_override_holds_until_released(fleet: str) -> None:
+def test_a_manual_override_holds_until_released(fleet: str, prometheus_url: list[str]) -> None:
     with httpx.Client(timeout=10) as http:
         state = http.put(f"{fleet}/planner/pools/both", json={"workers": 2}).json()
         assert state["overrides"] == {"both": 2}
@@ -132,6 +139,12 @@ def test_a_manual_override_holds_until_released(fleet: str) -> None:
         time.sleep(3 * INTERVAL_S)  # idle, yet the override holds
         state = http.get(f"{fleet}/planner").json()
         assert state["targets"]["both"] == 2 and state["last_decision"]["reasons"]["both"] == "override"
+        # the planner's dashboard: every query is valid PromQL here, and what an override shows has data
+        with PrometheusClient(prometheus_url[0]) as prometheus:
+            answered = {title: prometheus.query(expand_variables(expr))
+                        for title, expr in panel_queries(build_all()["dynserve-planner"])}
+        for title in ("Workers wanted by pool", "Workers serving by pool", "Overrides in force"):
+            assert answered[title], (title, answered)
         assert http.delete(f"{fleet}/planner/pools/both").json()["overrides"] == {}
         metrics = http.get(f"{fleet}/metrics").text
         assert 'dynserve_planner_workers_target{pool="both"}' in metrics
