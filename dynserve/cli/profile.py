@@ -126,7 +126,7 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 def profile(args: argparse.Namespace) -> int:
     """Build the engine `args` describe, measure it, write the profile to `args.output`."""
     settings = settings_from(args)
-    engine, time_scale, name, machine = _build_engine(settings)
+    engine, mocker_speedup, name, machine = _build_engine(settings)
     plan = PointPlan.default(engine.scheduler.max_num_seqs, quick=args.quick)
     plan = dataclasses.replace(plan, isls=args.isl or plan.isls, contexts=args.context or plan.contexts,
                                batch_sizes=args.batch or plan.batch_sizes)
@@ -134,7 +134,7 @@ def profile(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"profile: {line}", file=sys.stderr, flush=True)
 
-    prefill, decode = measure(engine, plan, time_scale=time_scale, progress=progress)
+    prefill, decode = measure(engine, plan, mocker_speedup=mocker_speedup, progress=progress)
     result = CapacityProfile(
         name=args.name or name, source=f"{machine}: {_command(args, settings)}",
         created=datetime.datetime.now(datetime.UTC).date().isoformat(),
@@ -147,9 +147,8 @@ def profile(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _build_engine(settings: Settings) -> tuple[EngineCore, float, str, str]:
-    """(engine, time scale, default name, what was measured): a sleeping mocker at its speedup (the scale
-    multiplies its wall times back to the profile's), or the real model."""
+def _build_engine(settings: Settings) -> tuple[EngineCore, float | None, str, str]:
+    """(engine, its speedup if a mocker, default name, what is measured): a sleeping mocker, or the model."""
     if settings.mocker is not None:
         from dynserve.workers.mocker import MockEngine
         from dynserve.workers.mocker_profiles import get_profile
@@ -172,7 +171,7 @@ def _build_engine(settings: Settings) -> tuple[EngineCore, float, str, str]:
     else:
         where = f"{platform.machine()} CPU, {os.cpu_count()} cores"
     name = f"{engine.model_id}-{device.split(':')[0]}".replace("/", "-").lower()
-    return engine, 1.0, name, f"model {engine.model_id} ({settings.dtype}) on {where} ({platform.node()})"
+    return engine, None, name, f"model {engine.model_id} ({settings.dtype}) on {where} ({platform.node()})"
 
 
 def _command(args: argparse.Namespace, settings: Settings) -> str:
@@ -196,16 +195,16 @@ def _command(args: argparse.Namespace, settings: Settings) -> str:
 # ---- measuring ----------------------------------------------------------------------------------------
 
 def measure(
-    engine: EngineCore, plan: PointPlan, *, time_scale: float = 1.0,
+    engine: EngineCore, plan: PointPlan, *, mocker_speedup: float | None = None,
     progress: Callable[[str], None] = lambda _line: None,
 ) -> tuple[list[PrefillPoint], list[DecodePoint]]:
-    """The prefill and decode points of `plan` that fit `engine`, measured in wall seconds times
-    `time_scale`; one progress line per point (skipped ones say why).
+    """The prefill and decode points of `plan` that fit `engine`, in wall seconds (times `mocker_speedup`
+    for a `MockEngine` running at that speedup); one progress line per point (skipped ones say why).
 
     More work never takes less time: a TTFT measured below the previous ISL's, or an ITL below the previous
     batch size's at the same context (noise, where the difference is smaller than it), is raised to that
     value, and its progress line says so."""
-    bench = _Bench(engine, time_scale)
+    bench = _Bench(engine, mocker_speedup)
     bench.ttft_alone_s(min(64, engine.max_model_len - 1))  # warm-up: first-use costs stay out of the points
     prefill = _measure_prefill(bench, plan, progress)
     decode = [point for context in plan.contexts for point in _measure_decode(bench, plan, context, progress)]
@@ -278,13 +277,12 @@ def _round(value: float) -> float:
 class _Bench:
     """Timed runs on one engine. Each run leaves the engine idle with an empty prefix cache."""
 
-    def __init__(self, engine: EngineCore, time_scale: float) -> None:
+    def __init__(self, engine: EngineCore, mocker_speedup: float | None) -> None:
         self.engine = engine
-        self.time_scale = time_scale
+        self.time_scale = mocker_speedup or 1.0
+        self._mocker_speedup = mocker_speedup
         self._rng = random.Random(0)
         self._ids = 0
-        speedup = getattr(engine, "speedup", None)
-        self._mocker_speedup: float | None = speedup if isinstance(speedup, float) else None
 
     def why_not_fits(self, batch_size: int, context: int, max_tokens: int) -> str:
         """Why `batch_size` sequences of `context` prompt tokens growing by `max_tokens` cannot run together
@@ -383,16 +381,17 @@ class _Bench:
             self._step()
 
     def _timed(self, run: Callable[[], None]) -> tuple[float, str]:
-        """(wall seconds `run` took times the time scale, a flag when a mocker's own work showed)."""
+        """(wall seconds `run` took times the time scale, a flag when a mocker took longer than modelled)."""
         time.sleep(_IDLE_GAP_S)
         busy_s = getattr(self.engine, "simulated_busy_s", 0.0)
         start_s = time.perf_counter()
         run()
         elapsed_s = time.perf_counter() - start_s
         modelled_s = getattr(self.engine, "simulated_busy_s", 0.0) - busy_s
-        slow = self._mocker_speedup is not None and elapsed_s > _OVERHEAD_TOLERANCE * modelled_s + 1e-3
-        flag = (f" (the engine's own work took {elapsed_s / modelled_s:.2f}x the modelled time at speedup "
-                f"{self._mocker_speedup:g}: lower --mocker-speedup)") if slow and modelled_s > 0 else ""
+        if self._mocker_speedup is None or elapsed_s <= _OVERHEAD_TOLERANCE * modelled_s + 1e-3:
+            return elapsed_s * self.time_scale, ""
+        flag = (f" (took {elapsed_s / max(modelled_s, 1e-9):.2f}x its modelled time: the engine's own work "
+                f"at speedup {self._mocker_speedup:g}, or a busy machine)")
         return elapsed_s * self.time_scale, flag
 
     @contextlib.contextmanager

@@ -11,7 +11,8 @@ Two modes (`PlannerConfig.mode`):
   target, by context length), and correct
   each pool's need by how its observed TTFT (prefill) or ITL (decode) compares with what the profile expects
   at the load it carries now (an EWMA of observed / expected, bounded): a fleet slower than its profile
-  gets more workers, a faster one fewer. A `both` pool needs the sum of the two (its workers do both).
+  gets more workers (one faster keeps the profile's count: `correction_bounds`). A `both` pool needs the
+  sum of the two (its workers do both).
 - **load**: no profile; a pool grows when its observed TTFT (prefill, both) or ITL (decode, both) is over its
   target or its queue is over `load_queue_per_worker` a worker, and shrinks when every signal is comfortably
   under (below `load_headroom` x target, nothing queued).
@@ -93,7 +94,10 @@ class PlannerConfig:
     load_headroom: float = 0.6
     load_queue_per_worker: float = 2.0
     correction_alpha: float = 0.3
-    correction_bounds: tuple[float, float] = (0.5, 3.0)
+    # a fleet slower than its profile gets more workers; one faster keeps the profile's count: the profile's
+    # queue (one prefill at a time) is pessimistic where prefills batch, and correcting below it starved the
+    # pool as load rose (benchmarks.planner)
+    correction_bounds: tuple[float, float] = (1.0, 3.0)
 
     def min_of(self, pool: str) -> int:
         return self.min_workers.get(pool, 1)
