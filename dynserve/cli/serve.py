@@ -108,10 +108,11 @@ def serve(settings: Settings) -> int:
     from dynserve.model.resolve import resolve_model_path
     from dynserve.model.tokenizer import Tokenizer
 
-    from dynserve.cli.planning import planner_settings
-
     check_layout(settings)
-    settings = planner_settings(settings)
+    if settings.planner:
+        from dynserve.cli.planning import planner_settings
+
+        settings = planner_settings(settings)
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
     started_ray = start_ray(settings)
     try:
