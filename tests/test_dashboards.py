@@ -38,7 +38,7 @@ GATEWAY_COUNTERS = {
     "dynserve_disagg_fallbacks_total", "dynserve_router_routed_requests_total", "dynserve_router_hot_spot_picks_total",
 }
 GATEWAY_GAUGES = {
-    "dynserve_inflight_requests", "dynserve_gateway_worker_up", "dynserve_router_info",
+    "dynserve_inflight_requests", "dynserve_requests_admitted_total", "dynserve_gateway_worker_up", "dynserve_router_info",
     "dynserve_router_index_blocks", "dynserve_router_index_workers", "dynserve_gateway_waiting_for_worker_requests",
 }
 GATEWAY_HISTOGRAMS = {

@@ -171,3 +171,41 @@ def test_predictors() -> None:
     assert falling.predict() == 0.0  # never negative
     with pytest.raises(ValueError, match="unknown predictor"):
         make_predictor("kalman")
+
+
+def test_the_budget_never_takes_the_last_worker_of_a_serving_pool() -> None:
+    core = PlannerCore(_config(max_total_workers=2), ("prefill", "decode"), _profile())
+    core.override("prefill", 2)
+    targets = _observe(core, 0, 5.0)
+    assert targets == {"prefill": 2, "decode": 1}  # over the budget: the override and the floor hold
+
+
+def test_a_busy_serving_pool_keeps_a_worker_even_with_a_min_of_zero() -> None:
+    config = _config(mode="load", min_workers={"prefill": 0, "decode": 0}, down_delay_intervals=1)
+    core = PlannerCore(config, ("prefill", "decode"))
+    for step in range(6):  # steady, comfortable traffic: shrink, but never the decode pool to zero
+        targets = core.targets or {"prefill": 1, "decode": 1}
+        pools = {"prefill": PoolObservation(targets["prefill"], ttft_s=0.01),
+                 "decode": PoolObservation(targets["decode"], itl_s=0.001, num_running=1)}
+        decided = core.decide(Observation(step * INTERVAL_S, pools, 2.0, ISL, OSL)).targets
+        assert decided["decode"] == 1, (step, decided)
+    assert decided["prefill"] == 0  # a prefill pool may empty: its prompts prefill on the decode workers
+
+
+def test_wake_ups_between_intervals_do_not_count_toward_a_shrink() -> None:
+    core = PlannerCore(_config(down_delay_intervals=3), ("prefill", "decode"), _profile())
+    _run(core, [20.0] * 3)
+    high = dict(core.targets or {})
+    for i in range(6):  # six quick decisions (requests waking the planner) within one interval of low load
+        pools = {p: PoolObservation(high[p]) for p in core.pools}
+        decided = core.decide(Observation(3 * INTERVAL_S + 0.1 * (i + 1), pools, 1.0, ISL, OSL)).targets
+        assert decided == high, (i, decided)
+    assert _observe(core, 4, 1.0) == high  # the first full interval of low load: one of three
+
+
+def test_load_mode_waits_for_starting_workers_before_growing_again() -> None:
+    core = PlannerCore(_config(mode="load"), ("prefill", "decode"))
+    slow = {"prefill": PoolObservation(1, ttft_s=1.0), "decode": PoolObservation(1, itl_s=0.01)}
+    assert core.decide(Observation(0.0, slow, 5.0, ISL, OSL)).targets["prefill"] == 5
+    starting = {"prefill": PoolObservation(1, ttft_s=1.0, num_starting=4), "decode": PoolObservation(1, itl_s=0.01)}
+    assert core.decide(Observation(INTERVAL_S, starting, 5.0, ISL, OSL)).targets["prefill"] == 5

@@ -95,6 +95,7 @@ class Planning:
         self.loop: PlannerLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._client: PrometheusClient | None = None
+        self._gateway = app.state
         app.state.metrics.registry.register(self.metrics)
         app.state.on_waiting_for_worker = self.wake
         self._add_routes(app)
@@ -104,7 +105,9 @@ class Planning:
         statistic = "mean" if self.settings.planner_mode == "sla" else "0.9"
         reader = PrometheusReader(self._client, self.core.pools, window_s=self.settings.planner_window_s,
                                   statistic=statistic)
-        self.loop = PlannerLoop(self.core, reader, self.actuator, metrics=self.metrics)
+        self.loop = PlannerLoop(self.core, reader, self.actuator, metrics=self.metrics,
+                                serving=self.actuator.serving,
+                                waiting_for_worker=lambda: self._gateway.num_waiting_for_worker)
         self._task = asyncio.get_running_loop().create_task(self.loop.run(), name="planner")
         logger.info("planner: %s mode, pools %s, every %g s", self.settings.planner_mode,
                     ", ".join(self.core.pools), self.settings.planner_interval_s)
@@ -144,7 +147,10 @@ class Planning:
 
         async def put_override(pool: str, request: Request) -> dict[str, Any]:
             check(request, pool)
-            body = await request.json()
+            try:
+                body = await request.json()
+            except ValueError:
+                body = None
             workers = body.get("workers") if isinstance(body, dict) else None
             if not isinstance(workers, int) or isinstance(workers, bool):
                 raise ApiError(400, 'the body must be {"workers": N}', param="workers")

@@ -60,6 +60,7 @@ class GatewayState:
     num_inflight: int = 0
     # called when a request starts waiting for a worker (`Settings.worker_wait_s`): a planner's wake-up
     on_waiting_for_worker: Callable[[], None] | None = None
+    num_waiting_for_worker: int = 0
 
     @property
     def model_id(self) -> str:
@@ -87,6 +88,7 @@ class GatewayState:
             return
         gauge = self.metrics.waiting_for_worker
         gauge.inc()
+        self.num_waiting_for_worker += 1
         try:
             if self.on_waiting_for_worker is not None:
                 self.on_waiting_for_worker()
@@ -95,6 +97,7 @@ class GatewayState:
                 await asyncio.sleep(0.05)
         finally:
             gauge.dec()
+            self.num_waiting_for_worker -= 1
 
     def admit(self) -> None:
         if not self.workers.is_ready():
@@ -218,6 +221,7 @@ class _Run:
                     for p, prompt in enumerate(prepared.prompts) for i, params in enumerate(prepared.params)]
         state.num_inflight += 1
         state.metrics.inflight.inc()
+        state.metrics.child(state.metrics.admitted, _ENDPOINTS[kind]).inc()
         return cls(state, kind, requests, builder)
 
     def __init__(self, state: GatewayState, kind: Kind, requests: list[GenerateRequest],

@@ -71,6 +71,9 @@ class GatewayMetrics:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("dynserve_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
+        self.admitted = Counter("dynserve_requests_admitted", "Requests admitted to run, counted on arrival (the "
+                                "offered load: answered requests lag it by their duration)", ["endpoint"],
+                                registry=registry)
         self.ttft = Histogram("dynserve_time_to_first_token_seconds", "Time from request to first token",
                               ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=registry)
         self.itl = Histogram("dynserve_inter_token_latency_seconds", "Time between consecutive output tokens",
@@ -133,6 +136,7 @@ class GatewayMetrics:
         for endpoint in _ENDPOINTS:  # exported at 0 from the start: `rate()` sees the first requests arrive
             self.endpoint(endpoint)
             self.child(self.requests, endpoint, "200")
+            self.child(self.admitted, endpoint)
 
     def endpoint(self, endpoint: str) -> EndpointSeries:
         """`endpoint`'s request histograms, labelled on its first request and kept: `labels()` takes a lock

@@ -348,9 +348,10 @@ def _planner_panels() -> list[PanelBuilder]:
                "budget (the fleet's total cap), bound (a pool's min or max).", "ops",
                [(decisions, "{{pool}}: {{reason}}")]),
         Row("Load"),
-        _graph("Offered vs predicted request rate", "Requests/s answered by the gateway, and the rate the "
-               "planner predicts for its next interval.", "reqps",
-               [(_rule("dynserve:requests:rate1m"), "offered"), (predicted("request_rate"), "predicted")],
+        _graph("Offered vs predicted request rate", "Requests/s admitted by the gateway (the offered load the "
+               "planner reads), answered, and the rate the planner predicts for its next interval.", "reqps",
+               [(_rule("dynserve:requests_admitted:rate1m"), "offered"),
+                (_rule("dynserve:requests:rate1m"), "answered"), (predicted("request_rate"), "predicted")],
                width=12),
         _graph("Mean ISL and OSL vs predicted", "Mean prompt and generated lengths of finished requests, and "
                "the lengths the planner predicts.", "suffix: tok",

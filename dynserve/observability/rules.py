@@ -45,6 +45,7 @@ def _rules() -> list[Rule]:
     rules = [
         # ---- requests, at the gateway --------------------------------------------------------------------
         Rule("dynserve:requests:rate1m", f"sum(rate(dynserve_requests_total[{w}]))"),
+        Rule("dynserve:requests_admitted:rate1m", f"sum(rate(dynserve_requests_admitted_total[{w}]))"),
         # 0 while requests succeed (a sum over no error series would be no value at all), none without requests
         Rule("dynserve:request_errors:rate1m", f'sum(rate(dynserve_requests_total{{status!~"2.."}}[{w}])) '
              f"or 0 * sum(rate(dynserve_requests_total[{w}]))"),

@@ -52,14 +52,16 @@ NAN = math.nan
 
 @dataclass(frozen=True, slots=True)
 class PoolObservation:
-    """One pool as observed over the last window: its serving workers, their TTFT and ITL (the quantile the
-    connector reads, NaN without observations), and their queued and running requests (sums)."""
+    """One pool as observed over the last window: its serving workers (and those still starting), their TTFT
+    and ITL (the statistic the connector reads, NaN without observations), and their queued and running
+    requests (sums)."""
 
     num_workers: int
     ttft_s: float = NAN
     itl_s: float = NAN
     num_waiting: float = 0.0
     num_running: float = 0.0
+    num_starting: int = 0  # workers started and not serving yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ class PlannerCore:
         self.config, self.pools, self.profile = config, tuple(pools), profile
         self._rate, self._isl, self._osl = (make_predictor(config.predictor) for _ in range(3))
         self._observed_rate = 0.0
+        self._last_full_s: float | None = None
         self.corrections = dict.fromkeys(self.pools, 1.0)
         self.targets: dict[str, int] | None = None  # the last decision's, once there is one
         self._lower_streak = dict.fromkeys(self.pools, 0)
@@ -167,36 +170,46 @@ class PlannerCore:
     # ---- deciding ----------------------------------------------------------------------------------------
 
     def decide(self, observation: Observation) -> Decision:
+        """The next targets. A decision less than half an interval after the last full one (a wake-up: a
+        request waits for a fleet at zero, an override changed) applies only the wake, the overrides and
+        the budget to the current targets: it neither feeds the predictors nor counts toward a shrink."""
         config, now_s = self.config, observation.now_s
         current = self.targets if self.targets is not None else {
             p: observation.pools[p].num_workers if p in observation.pools else config.min_of(p) for p in self.pools}
-        rate = observation.request_rate_per_s
-        self._observed_rate = rate if math.isfinite(rate) else 0.0  # no requests in the window: a rate of 0
-        self._rate.observe(self._observed_rate)
-        self._isl.observe(observation.mean_isl)
-        self._osl.observe(observation.mean_osl)
+        full = self._last_full_s is None or now_s - self._last_full_s >= 0.5 * config.interval_s
         active = self._note_activity(observation)
-        if config.mode == "sla":
-            self._correct(observation)
-            needs = self._sla_needs()
-            targets, reasons = self._sla_targets(current, needs)
+        needs = dict.fromkeys(self.pools, NAN)
+        if not full:
+            targets, reasons = dict(current), dict.fromkeys(self.pools, "hold")
         else:
-            needs = dict.fromkeys(self.pools, NAN)
-            targets, reasons = self._load_targets(current, observation)
+            self._last_full_s = now_s
+            rate = observation.request_rate_per_s
+            self._observed_rate = rate if math.isfinite(rate) else 0.0  # no requests in the window: a rate of 0
+            self._rate.observe(self._observed_rate)
+            self._isl.observe(observation.mean_isl)
+            self._osl.observe(observation.mean_osl)
+            if config.mode == "sla":
+                self._correct(observation)
+                needs = self._sla_needs()
+                targets, reasons = self._sla_targets(current, needs)
+            else:
+                targets, reasons = self._load_targets(current, observation)
         idle = (config.idle_s is not None and not active and self._last_active_s is not None
                 and now_s - self._last_active_s >= config.idle_s)
+        serving_pools = [p for p in _SERVING if p in self.pools]
         for pool in self.pools:
             if idle:
                 targets[pool], reasons[pool] = 0, "idle"
-            elif targets[pool] < config.min_of(pool):
-                targets[pool], reasons[pool] = config.min_of(pool), "bound"
-        serving_pools = [p for p in _SERVING if p in self.pools]
+            elif targets[pool] < config.min_of(pool) or (active and pool in serving_pools and targets[pool] < 1):
+                # a fleet with requests keeps a worker to answer them, whatever the min (only idleness takes
+                # a serving pool to zero)
+                targets[pool], reasons[pool] = max(config.min_of(pool), 1 if pool in serving_pools else 0), "bound"
         if active and not any(current[p] for p in serving_pools):  # a request for a fleet at zero
             for pool in serving_pools:
                 targets[pool], reasons[pool] = max(1, config.min_of(pool), targets[pool]), "wake"
         for pool, num in self._overrides.items():
             targets[pool], reasons[pool] = num, "override"
-        self._apply_budget(targets, reasons, needs)
+        self._apply_budget(targets, reasons, needs, keep_serving=not idle)
         self.targets = dict(targets)
         return Decision(now_s, targets, reasons, needs, dict(self.corrections), _or_nan(self._rate.predict()),
                         _or_nan(self._isl.predict()), _or_nan(self._osl.predict()))
@@ -294,6 +307,9 @@ class PlannerCore:
                 latencies.append(seen.itl_s / config.itl_target_s)
             known = [x for x in latencies if math.isfinite(x)]
             queue_per_worker = seen.num_waiting / max(1, seen.num_workers)
+            if seen.num_starting > 0:  # the last growth is still arriving: judge the pool once it serves
+                targets[pool], reasons[pool] = now, "hold"
+                continue
             if (known and max(known) > 1) or queue_per_worker > config.load_queue_per_worker:
                 self._lower_streak[pool] = 0
                 grown = min(config.max_of(pool), now + config.max_step_up)
@@ -319,18 +335,25 @@ class PlannerCore:
         self._lower_streak[pool] = 0
         return max(to, now - config.max_step_down, 0), reason
 
-    def _apply_budget(self, targets: dict[str, int], reasons: dict[str, str], needs: Mapping[str, float]) -> None:
+    def _apply_budget(self, targets: dict[str, int], reasons: dict[str, str], needs: Mapping[str, float], *,
+                      keep_serving: bool) -> None:
         """Trim the planned pools until the total fits `max_total_workers`: each time the pool with the most
-        workers per unit of need (the most to spare) gives one, never below one worker while it has a need."""
+        workers per unit of need (the most to spare) gives one, never below its min nor, while the fleet
+        serves (`keep_serving`), a serving pool below one worker: overrides and floors that alone exceed the
+        budget hold."""
         budget = self.config.max_total_workers
         if budget is None:
             return
+
+        def floor(pool: str) -> int:
+            serving = 1 if keep_serving and pool in _SERVING else 0
+            return max(serving, self.config.min_of(pool)) if keep_serving else 0
+
         while sum(targets.values()) > budget:
-            candidates = [p for p in self.pools if p not in self._overrides and targets[p] > 0]
+            candidates = [p for p in self.pools if p not in self._overrides and targets[p] > floor(p)]
             if not candidates:
-                return  # overrides alone exceed the budget: they hold
-            floor = [p for p in candidates if targets[p] > 1 or not needs.get(p, 0.0) > 0]
-            pool = max(floor or candidates, key=lambda p: targets[p] / max(needs.get(p, 0.0), 1e-9)
+                return
+            pool = max(candidates, key=lambda p: targets[p] / max(needs.get(p, 0.0), 1e-9)
                        if math.isfinite(needs.get(p, NAN)) else targets[p])
             targets[pool] -= 1
             reasons[pool] = "budget"

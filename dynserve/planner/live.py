@@ -1,7 +1,7 @@
 """The planner live: thin connectors around the pure core (`core.py`).
 
-- `PrometheusReader` turns the fleet's metrics into an `Observation`: the gateway's request rate and mean ISL
-  and OSL, and per pool (the workers' `role`) its TTFT and ITL (the mean in the sla mode, whose corrections
+- `PrometheusReader` turns the fleet's metrics into an `Observation`: the gateway's rate of admitted requests
+  (the offered load) and the mean ISL and OSL of finished ones, and per pool (the workers' `role`) its TTFT and ITL (the mean in the sla mode, whose corrections
   compare it with the profile's expected mean; a quantile, p90 by default, in the load mode), queued and
   running requests, and the requests the gateway holds for a worker. Over `window_s`: at 60 s it reads the
   recording rules of `observability/rules.py` where they exist, otherwise the raw series.
@@ -50,7 +50,10 @@ class PrometheusReader:
         w = self.window
         rules = w == "1m"
         queries = {
-            "rate": "dynserve:requests:rate1m" if rules else f"sum(rate(dynserve_requests_total[{w}]))",
+            # the offered load: requests counted as they are admitted, not as they finish (under overload a
+            # fleet finishes only what it can)
+            "rate": "dynserve:requests_admitted:rate1m" if rules else (
+                f"sum(rate(dynserve_requests_admitted_total[{w}]))"),
             "isl": "dynserve:prompt_tokens:mean1m" if rules else _mean("dynserve_request_prompt_tokens", w, ""),
             "osl": "dynserve:generation_tokens:mean1m" if rules else _mean("dynserve_request_generation_tokens",
                                                                            w, ""),
@@ -114,23 +117,24 @@ class PoolActuator:
         self.pools = dict(pools)
 
     def current(self) -> dict[str, int]:
-        return {name: pool.policy.num_active for name, pool in self.pools.items()}
+        """Each pool's target as the pool keeps it (a dead worker being replaced still counts)."""
+        return {name: pool.policy.target for name, pool in self.pools.items()}
 
     def serving(self) -> dict[str, int]:
         return {name: len(pool.workers()) for name, pool in self.pools.items()}
 
     async def scale(self, pool: str, num_workers: int) -> None:
         target = self.pools[pool]
-        delta = num_workers - target.policy.num_active
+        delta = num_workers - target.policy.target
         if delta > 0:
-            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.num_active, num_workers)
+            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.target, num_workers)
             results = await asyncio.gather(*(target.add() for _ in range(delta)), return_exceptions=True)
             failed = [r for r in results if isinstance(r, BaseException)]
             if failed:  # the pool replaces them per its restart policy
                 logger.warning("planner: %d of %d new workers of pool %s failed to start: %s", len(failed), delta,
                                pool, failed[0])
         elif delta < 0:
-            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.num_active, num_workers)
+            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.target, num_workers)
             await asyncio.gather(*(target.remove() for _ in range(-delta)))
 
 
@@ -202,8 +206,13 @@ class PlannerLoop:
     """Runs the core every `interval_s` against the live fleet (see the module doc)."""
 
     def __init__(self, core: PlannerCore, reader: PrometheusReader, actuator: PoolActuator | Actuator, *,
-                 metrics: PlannerMetrics | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 metrics: PlannerMetrics | None = None, clock: Callable[[], float] = time.monotonic,
+                 serving: Callable[[], Mapping[str, int]] | None = None,
+                 waiting_for_worker: Callable[[], int] | None = None) -> None:
+        """`serving`: each pool's serving workers now (default: the actuator's counts, as if all served);
+        `waiting_for_worker`: the requests the gateway holds now for a worker (fresher than Prometheus's)."""
         self.core, self.reader, self.actuator, self.metrics, self.clock = core, reader, actuator, metrics, clock
+        self._serving, self._waiting_for_worker = serving, waiting_for_worker
         self._wake = asyncio.Event()
         self._scaling: dict[str, asyncio.Task[None]] = {}
         self.decisions: list[Decision] = []  # the last 1000, oldest first
@@ -224,17 +233,33 @@ class PlannerLoop:
                 task.cancel()
 
     async def tick(self) -> Decision | None:
-        """One read-decide-act round; None when Prometheus could not be read."""
+        """One read-decide-act round; None when it could not decide (logged). Without Prometheus it still
+        wakes a fleet at zero that the gateway holds requests for."""
         try:
-            observation = await asyncio.to_thread(self.reader.observe, self.clock())
-        except PrometheusError as exc:
-            logger.warning("planner: cannot read the fleet's metrics (%s); keeping the pools as they are", exc)
+            return await self._tick()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the planner keeps deciding whatever one round hit
+            logger.exception("planner: a round failed")
             return None
+
+    async def _tick(self) -> Decision | None:
+        now_s = self.clock()
+        waiting = self._waiting_for_worker() if self._waiting_for_worker is not None else 0
         current = self.actuator.current()
-        pools = {p: PoolObservation(current.get(p, o.num_workers), o.ttft_s, o.itl_s, o.num_waiting, o.num_running)
+        try:
+            observation = await asyncio.to_thread(self.reader.observe, now_s)
+        except PrometheusError as exc:
+            if not waiting:
+                logger.warning("planner: cannot read the fleet's metrics (%s); keeping the pools as they are", exc)
+                return None
+            observation = Observation(now_s, {p: PoolObservation(current.get(p, 0)) for p in self.core.pools})
+        serving = self._serving() if self._serving is not None else current
+        pools = {p: PoolObservation(serving.get(p, o.num_workers), o.ttft_s, o.itl_s, o.num_waiting, o.num_running,
+                                    num_starting=max(0, current.get(p, 0) - serving.get(p, 0)))
                  for p, o in observation.pools.items()}
         observation = Observation(observation.now_s, pools, observation.request_rate_per_s, observation.mean_isl,
-                                  observation.mean_osl, observation.num_waiting_for_worker)
+                                  observation.mean_osl, max(observation.num_waiting_for_worker, waiting))
         decision = self.core.decide(observation)
         changed = {p: n for p, n in decision.targets.items() if current.get(p) != n}
         for pool, count in changed.items():
