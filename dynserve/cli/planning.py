@@ -16,12 +16,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
 from fastapi import Request
 
+from dynserve.cli.top import finite_or_none
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 from dynserve.gateway.errors import ApiError
@@ -130,7 +130,7 @@ class Planning:
             "mode": self.settings.planner_mode, "pools": list(self.core.pools),
             "targets": self.actuator.current(), "serving": self.actuator.serving(),
             "overrides": self.core.overrides,
-            "last_decision": None if decision is None else _finite(dataclasses.asdict(decision)),
+            "last_decision": None if decision is None else finite_or_none(dataclasses.asdict(decision)),
         }
 
     def _add_routes(self, app: Any) -> None:
@@ -174,13 +174,3 @@ class Planning:
         api.add_api_route("/planner/pools/{pool}", delete_override, methods=["DELETE"], tags=["planner"],
                           summary="release a pool's override")
 
-
-def _finite(value: Any) -> Any:
-    """JSON has no NaN: NaN and infinities become None."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value

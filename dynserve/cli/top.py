@@ -43,7 +43,7 @@ from dynserve.errors import InvalidRequestError, PrometheusError
 from dynserve.observability.promql import PrometheusClient, Sample
 
 __all__ = ["DEFAULT_PROMETHEUS_URL", "FleetStats", "FleetView", "PoolView", "WorkerView", "fetch_view",
-           "render", "render_error", "run_live", "top", "view_to_json"]
+           "finite_or_none", "render", "render_error", "run_live", "top", "view_to_json"]
 
 DEFAULT_PROMETHEUS_URL = "http://127.0.0.1:9090"
 HEALTH_WINDOW = "10m"
@@ -313,18 +313,19 @@ def _count(value: float) -> str:
 def view_to_json(view: FleetView) -> dict[str, Any]:
     """The view as JSON-able data: latencies in seconds, ratios as fractions, null where there is no finite
     number; the fleet's error ratio is added."""
-    data = _finite_or_none(dataclasses.asdict(view))
-    data["fleet"]["error_ratio"] = _finite_or_none(view.fleet.error_ratio)
+    data = finite_or_none(dataclasses.asdict(view))
+    data["fleet"]["error_ratio"] = finite_or_none(view.fleet.error_ratio)
     return data
 
 
-def _finite_or_none(value: Any) -> Any:
+def finite_or_none(value: Any) -> Any:
+    """`value` with every NaN or infinity (in dicts, lists, tuples) as None: JSON has neither."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
+        return {k: finite_or_none(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
+        return [finite_or_none(v) for v in value]
     return value
 
 
