@@ -11,7 +11,9 @@
     ├── PoolError               a worker pool cannot do what was asked (unknown worker, a failed start)
     ├── KVTransferError         a KV-page transfer (or its setup: registration, a peer) failed
     │   └── KVTransferTimeoutError  a read did not finish within its deadline
-    └── PrometheusError         Prometheus cannot be reached or refused a query
+    ├── PrometheusError         Prometheus cannot be reached or refused a query
+    └── KubernetesError         the Kubernetes API refused or failed a call (`retryable` says if a retry may
+                                succeed: a conflict, throttling, a server error, no connection)
 
 Each error carries structured fields next to its message so callers (the gateway, the CLI) can map it
 to a status code or exit code without parsing strings.
@@ -28,6 +30,7 @@ __all__ = [
     "ModelLoadError",
     "ChannelError",
     "PoolError",
+    "KubernetesError",
     "PrometheusError",
     "WorkerError",
     "WorkerUnavailableError",
@@ -123,3 +126,17 @@ class PrometheusError(DynserveError):
     def __init__(self, message: str, *, url: str, query: str | None = None) -> None:
         super().__init__(message)
         self.url, self.query = url, query
+
+
+class KubernetesError(DynserveError):
+    """A Kubernetes API call failed: `status` is the HTTP status (None: no answer), `reason` the API's reason
+    (NotFound, Conflict, Invalid, ...), `retryable` whether the same call may succeed later (409, 429, 5xx,
+    no connection) or not (bad input, forbidden, not found)."""
+
+    def __init__(self, message: str, *, status: int | None, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.reason = status, reason
+
+    @property
+    def retryable(self) -> bool:
+        return self.status is None or self.status in (409, 429) or self.status >= 500

@@ -1,0 +1,259 @@
+"""The `DynServeDeployment` and `DynServePool` resources as typed models: what a user writes, what the
+operator reads, what `dynctl deploy` validates, and (through `crd.py`) the CRDs' own openAPIV3Schema.
+
+Field names are the resource's (camelCase on the wire, snake_case in Python). Invariants every parsed spec
+keeps (`parse_deployment` raises InvalidRequestError naming the field otherwise):
+- `pools` is either aggregated (`workers` only) or disaggregated (`prefill` and `decode`, no `workers`);
+- each pool has `minReplicas <= replicas <= maxReplicas`;
+- `model` gives at most one of `path` and `uri`; `env` sets only `DYN_*` variables that name a setting and
+  none the operator sets itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+from dynserve.config import Settings
+from dynserve.errors import InvalidRequestError
+
+__all__ = [
+    "API_VERSION", "GROUP", "KIND", "POOL_KIND", "POOL_ROLES", "VERSION", "DeploymentSpec", "PoolSpec",
+    "PoolResourceSpec", "parse_deployment", "parse_pool",
+]
+
+GROUP, VERSION = "dynserve.io", "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND, POOL_KIND = "DynServeDeployment", "DynServePool"
+POOL_ROLES = {"workers": "both", "prefill": "prefill", "decode": "decode"}  # pool name -> the workers' role
+DEFAULT_IMAGE = "ghcr.io/dynserve/dynserve"
+
+# DYN_* variables the operator sets from the spec itself (or per pod): `env` may not set them
+OPERATOR_ENV = frozenset({
+    "DYN_MODEL", "DYN_DTYPE", "DYN_HOST", "DYN_PORT", "DYN_API_KEY", "DYN_RAY_ADDRESS", "DYN_ADVERTISE_HOST",
+    "DYN_BIND_HOST", "DYN_PREFILL_WORKERS", "DYN_DECODE_WORKERS", "DYN_WORKERS", "DYN_POOLS_FOLLOW_NODES",
+    "DYN_REDIS_URL", "DYN_ROUTER", "DYN_TRANSFER_BACKEND", "DYN_PLANNER", "DYN_PROMETHEUS", "DYN_PROMETHEUS_URL",
+    "DYN_WORKER_METRICS_PORT", "DYN_NAMESPACE", "DYN_MOCKER",
+})
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class KeyRef(_Model):
+    """A key of a Kubernetes Secret."""
+
+    name: str = Field(min_length=1, description="the Secret's name (in the resource's namespace)")
+    key: str = Field("api-key", min_length=1, description="the key within it")
+
+
+class ModelSource(_Model):
+    path: str | None = Field(None, description="a GGUF file or Hugging Face directory on the volume (mounted "
+                             "at /models), or in the image; default: the image's bundled SmolLM2-135M-Instruct")
+    uri: str | None = Field(None, description="an http(s) URL of a GGUF file an init container fetches into "
+                            "the volume before the pod starts")
+    volume: dict[str, Any] | None = Field(
+        None, description="a Pod volume source mounted at /models (e.g. {persistentVolumeClaim: {claimName: "
+        "models}}); default: an emptyDir", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights' dtype")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        if self.path and self.uri:
+            raise ValueError("give model.path or model.uri, not both")
+        return self
+
+
+class ImageSpec(_Model):
+    repository: str = Field(DEFAULT_IMAGE, min_length=1, description="the dynserve image (deploy/docker)")
+    tag: str | None = Field(None, description="default: the operator's own version")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
+    pull_secrets: list[str] = Field(default_factory=list, description="names of image pull Secrets")
+
+
+class Resources(_Model):
+    """A container's resource requests and limits (quantities as Kubernetes writes them: 2, "500m", "4Gi";
+    GPUs as `nvidia.com/gpu` limits)."""
+
+    requests: dict[str, int | str] = Field(default_factory=dict, json_schema_extra={"int_or_string": True})
+    limits: dict[str, int | str] = Field(default_factory=dict, json_schema_extra={"int_or_string": True})
+
+
+class Toleration(_Model):
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class GatewaySpec(_Model):
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        "ClusterIP", description="the gateway Service's type")
+    port: int = Field(8000, ge=1, le=65535, description="the OpenAI API's port")
+    api_key_secret: KeyRef | None = Field(None, description="require 'Authorization: Bearer <key>' with the "
+                                          "key in this Secret")
+    resources: Resources = Field(default_factory=Resources, description="the head pod's (Ray head, gateway, "
+                                 "router, planner)")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+
+
+class PoolSpec(_Model):
+    replicas: int = Field(1, ge=0, description="worker pods (one worker each); the planner, an HPA or "
+                          "`kubectl scale dynservepool` change it at run time")
+    min_replicas: int = Field(0, ge=0, description="the planner's lower bound")
+    max_replicas: int = Field(8, ge=1, description="the planner's upper bound")
+    resources: Resources = Field(default_factory=Resources)
+    ray_cpus: float | None = Field(None, gt=0, description="CPUs the pod's Ray node offers; default: its CPU "
+                                   "request, else 1")
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> PoolSpec:
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(f"need minReplicas <= replicas <= maxReplicas (got {self.min_replicas} <= "
+                             f"{self.replicas} <= {self.max_replicas})")
+        return self
+
+
+class Pools(_Model):
+    workers: PoolSpec | None = Field(None, description="aggregated serving: workers that prefill and decode")
+    prefill: PoolSpec | None = Field(None, description="disaggregated serving: prefill workers")
+    decode: PoolSpec | None = Field(None, description="disaggregated serving: decode workers")
+
+    @model_validator(mode="after")
+    def _layout(self) -> Pools:
+        aggregated, disaggregated = self.workers is not None, (self.prefill, self.decode) != (None, None)
+        if aggregated == disaggregated or (disaggregated and (self.prefill is None or self.decode is None)):
+            raise ValueError("pools: give `workers` (aggregated) or both `prefill` and `decode` (disaggregated)")
+        return self
+
+    def items(self) -> list[tuple[str, PoolSpec]]:
+        """(pool name, spec) of the pools given, in a fixed order."""
+        return [(name, spec) for name in POOL_ROLES if (spec := getattr(self, name)) is not None]
+
+
+class EngineSpec(_Model):
+    kv_cache_gib: float | None = Field(None, gt=0, description="each worker's KV cache")
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_model_len: int | None = Field(None, ge=16)
+    mocker: str | None = Field(None, description="serve simulated workers with this timing profile (no model "
+                               "is loaded): for trying a fleet's behaviour without its hardware")
+    mocker_speedup: float | None = Field(None, gt=0)
+
+
+class RouterSpec(_Model):
+    mode: Literal["kv", "approximate", "round_robin", "random", "least_loaded"] = "kv"
+    overlap_weight: float | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0)
+
+
+class TransferSpec(_Model):
+    backend: Literal["auto", "nixl", "tcp"] = "auto"
+    timeout_seconds: float | None = Field(None, gt=0)
+
+
+class EventPlaneSpec(_Model):
+    backend: Literal["embedded", "redis"] = Field("embedded", description="embedded: in the Ray cluster "
+                                                  "(nothing else to run); redis: a Redis")
+    redis_url: str | None = Field(None, description="redis: this Redis; default: one the operator runs")
+    redis_image: str = Field("redis:7.4-alpine", description="the bundled Redis's image")
+
+    @model_validator(mode="after")
+    def _url_only_for_redis(self) -> EventPlaneSpec:
+        if self.redis_url and self.backend != "redis":
+            raise ValueError("eventPlane.redisUrl needs backend: redis")
+        return self
+
+
+class PlannerSpec(_Model):
+    enabled: bool = False
+    mode: Literal["sla", "load"] = "sla"
+    ttft_ms: float | None = Field(None, gt=0)
+    itl_ms: float | None = Field(None, gt=0)
+    interval_seconds: float | None = Field(None, gt=0)
+    max_total_workers: int | None = Field(None, ge=1)
+    idle_seconds: float | None = Field(None, gt=0, description="scale every pool to zero after this long idle")
+    profile: str | None = Field(None, description="the capacity profile's shipped name")
+    prometheus_url: str | None = Field(None, description="the Prometheus the planner reads; default: one the "
+                                       "head pod runs, scraping the fleet")
+
+
+class ObservabilitySpec(_Model):
+    service_monitor: bool = Field(False, description="a ServiceMonitor (Prometheus Operator) for the gateway "
+                                  "and the workers")
+    scrape_interval_seconds: int = Field(15, ge=1)
+
+
+class EnvVar(_Model):
+    name: str = Field(pattern=r"^DYN_[A-Z0-9_]+$")
+    value: str
+
+
+class DeploymentSpec(_Model):
+    model: ModelSource = Field(default_factory=ModelSource)
+    image: ImageSpec = Field(default_factory=ImageSpec)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    pools: Pools = Field(default_factory=lambda: Pools(workers=PoolSpec()))
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    transfer: TransferSpec = Field(default_factory=TransferSpec)
+    event_plane: EventPlaneSpec = Field(default_factory=EventPlaneSpec)
+    planner: PlannerSpec = Field(default_factory=PlannerSpec)
+    observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
+    env: list[EnvVar] = Field(default_factory=list, description="more dynserve settings for every pod, as "
+                              "DYN_* variables")
+
+    @model_validator(mode="after")
+    def _env_names_settings(self) -> DeploymentSpec:
+        for var in self.env:
+            field = var.name.removeprefix("DYN_").lower()
+            if field not in Settings.model_fields:
+                raise ValueError(f"env: {var.name} is not a dynserve setting")
+            if var.name in OPERATOR_ENV:
+                raise ValueError(f"env: {var.name} is set by the operator from the spec")
+        return self
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.pools.workers is None
+
+
+class PoolResourceSpec(_Model):
+    """A `DynServePool`: one pool of a `DynServeDeployment`, the unit its `/scale` subresource scales."""
+
+    deployment: str = Field(min_length=1, description="the DynServeDeployment it belongs to")
+    pool: Literal["workers", "prefill", "decode"]
+    replicas: int = Field(ge=0)
+    min_replicas: int = Field(0, ge=0)
+    max_replicas: int = Field(8, ge=1)
+
+
+def _problems(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after"))
+        parts.append(f"spec.{where}: {error['msg']}" if where else f"spec: {error['msg']}")
+    return "; ".join(parts)
+
+
+def parse_deployment(spec: dict[str, Any] | None) -> DeploymentSpec:
+    """A `DynServeDeployment`'s `.spec` as a `DeploymentSpec`; InvalidRequestError names each bad field."""
+    try:
+        return DeploymentSpec.model_validate(spec or {})
+    except pydantic.ValidationError as exc:
+        raise InvalidRequestError(_problems(exc), param="spec") from None
+
+
+def parse_pool(spec: dict[str, Any] | None) -> PoolResourceSpec:
+    """A `DynServePool`'s `.spec`; InvalidRequestError names each bad field."""
+    try:
+        return PoolResourceSpec.model_validate(spec or {})
+    except pydantic.ValidationError as exc:
+        raise InvalidRequestError(_problems(exc), param="spec") from None
