@@ -71,6 +71,11 @@ class Settings(BaseSettings):
     bind_host: str | None = Field(
         None, description="the address those ports listen on; default the advertised one (0.0.0.0 only when "
         "set here)", json_schema_extra=_CLUSTER)
+    pools_follow_nodes: bool = Field(
+        False, description="dynctl serve on a cluster whose nodes are made per pool (Kubernetes: a pod each): a "
+        "pool places its workers only on Ray nodes offering the resource dynserve_pool_<role> and keeps one "
+        "worker per unit of it, growing and shrinking as such nodes join and leave; the worker counts given "
+        "set only the layout", json_schema_extra=_CLUSTER)
     prefill_workers: int = Field(0, ge=0, description="disaggregated serving (dynctl serve): prefill workers "
                                  "to start; with decode_workers, replaces --workers", json_schema_extra=_CLUSTER)
     decode_workers: int = Field(0, ge=0, description="disaggregated serving (dynctl serve): decode workers to "
@@ -224,6 +229,10 @@ class Settings(BaseSettings):
     planner_predictor: Literal["constant", "ewma", "holt"] = Field(
         "holt", description="how the sla mode predicts the next interval's rate, ISL and OSL",
         json_schema_extra=_PLANNER)
+    planner_kubernetes: str | None = Field(
+        None, description="NAMESPACE/NAME of the DynServeDeployment this fleet is (the operator sets it): the "
+        "planner scales its DynServePools through their scale subresource instead of the Ray pools, and takes "
+        "a replica count set there by hand (kubectl scale, an HPA) as an override", json_schema_extra=_PLANNER)
     planner_profile: str | None = Field(None, description="the capacity profile (a file from dynctl profile, or "
                                         "a shipped name); default: the --mocker profile's, else 'cpu'",
                                         json_schema_extra=_PLANNER)

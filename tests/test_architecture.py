@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "workers": {"model", "engine", "kv_transfer", "events"},
     "gateway": {"model", "router", "events", "workers"},
     "observability": set(),
-    "planner": {"events", "observability"},
+    "planner": {"events", "observability", "operator"},
     "operator": set(),
     "cli": set(PARTS),
 }

@@ -83,6 +83,27 @@ def sped_up(capacity: Any, speedup: float) -> Any:
                                    source=f"{capacity.source}; time scaled by 1/{speedup:g} (mocker speedup)")
 
 
+def _kubernetes_actuator(where: str, core: PlannerCore, serving: Any) -> Any:
+    """The actuator of the DynServeDeployment `NAMESPACE/NAME`, through the pod's service account."""
+    from dynserve.operator.kube import KubeClient
+    from dynserve.planner.kubernetes import KubernetesActuator, planner_pools
+
+    namespace, _, name = where.partition("/")
+    if not namespace or not name:
+        raise InvalidRequestError(f"--planner-kubernetes must be NAMESPACE/NAME, not {where!r}",
+                                  param="planner_kubernetes")
+
+    def hand_set(pool: str, replicas: int) -> None:
+        held = min(replicas, core.config.max_of(pool))
+        if held != replicas:
+            logger.warning("planner: pool %s set to %d by hand, over its max %d: holding it at %d", pool, replicas,
+                           held, held)
+        core.override(pool, held)
+
+    return KubernetesActuator(KubeClient.connect(), namespace, planner_pools(name, core.pools),
+                              on_hand_set=hand_set, serving=serving)
+
+
 class Planning:
     """The planner of one `dynctl serve`: `start(prometheus_url)` once Prometheus is up, `stop()` on the way
     out."""
@@ -90,7 +111,9 @@ class Planning:
     def __init__(self, settings: Settings, pools: dict[str, Any], app: Any) -> None:
         self.settings = settings
         self.core = PlannerCore(planner_config(settings), tuple(pools), _profile(settings))
-        self.actuator = PoolActuator(pools)
+        self.actuator: Any = PoolActuator(pools)
+        if settings.planner_kubernetes:  # the operator's fleet: pools follow pods; the planner scales the pods
+            self.actuator = _kubernetes_actuator(settings.planner_kubernetes, self.core, self.actuator.serving)
         self.metrics = PlannerMetrics(self.core, self.actuator.serving)
         self.loop: PlannerLoop | None = None
         self._task: asyncio.Task[None] | None = None

@@ -56,6 +56,8 @@ async def _start_pools(pools: list[tuple[Any, int]]) -> list[Any]:
 
     start_s = time.monotonic()
     num_workers = sum(n for _pool, n in pools)
+    if pools and pools[0][0].settings.pools_follow_nodes:  # serve once any pool has a worker; all keep following
+        return await _first_workers([pool for pool, _n in pools])
     starting = asyncio.ensure_future(asyncio.gather(*(pool.start(n) for pool, n in pools)))
     interactive = sys.stderr.isatty()
     while not starting.done():
@@ -69,6 +71,20 @@ async def _start_pools(pools: list[tuple[Any, int]]) -> list[Any]:
         return [info for infos in starting.result() for info in infos]
     except PoolError as exc:
         raise ModelLoadError(f"a worker failed to start: {exc}") from exc
+
+
+async def _first_workers(pools: list[Any]) -> list[Any]:
+    """Follow mode: the workers serving once the first of any pool serves (the pools' nodes join as the
+    cluster makes them)."""
+    print("waiting for the pools' nodes to join and their first worker to serve...", file=sys.stderr, flush=True)
+    started = [asyncio.ensure_future(pool.start(0)) for pool in pools]
+    await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+    for task in started:
+        if task.done():
+            task.result()  # raises what a pool hit
+        else:
+            task.cancel()  # only the wait: the pool's monitor keeps following its nodes
+    return [info for pool in pools for info in pool.workers()]
 
 
 def _banner(settings: Settings, model_id: str, port: int, prometheus_url: str | None = None) -> str:
@@ -167,7 +183,8 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
     # several workers on one host share its cores: each gets its part of the threads
     num_workers = sum(n for _name, _role, n in layout)
     threads = settings.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
-    worker_settings = settings.model_copy(update={"num_threads": threads})
+    # following nodes, a worker has its node to itself and takes the node's CPUs (workers/pool.py)
+    worker_settings = settings if settings.pools_follow_nodes else settings.model_copy(update={"num_threads": threads})
     pools = [(WorkerPool(worker_settings, name=name, role=role), n) for name, role, n in layout]  # type: ignore[arg-type]
     registry = pools[0][0].registry  # before any worker: the embedded event plane starts on this node
     prometheus: list[Any] = []  # the Prometheus this command runs (--prometheus), once started

@@ -6,8 +6,8 @@
   running requests, and the requests the gateway holds for a worker. Over `window_s`: at 60 s it reads the
   recording rules of `observability/rules.py` where they exist, otherwise the raw series.
 - `Actuator` is what carries a decision out: `PoolActuator` grows and shrinks Ray `WorkerPool`s (a removed
-  worker drains first: no request is cut, a prefill's leased blocks are released or expire); the Kubernetes
-  operator implements the same interface by patching its resource.
+  worker drains first: no request is cut, a prefill's leased blocks are released or expire);
+  `kubernetes.KubernetesActuator` patches the `DynServePool`s of a deployment the operator runs.
 - `PlannerMetrics`: the planner's own `dynserve_planner_*` series (decided and serving workers per pool,
   predicted load, observed against target TTFT and ITL, needs and corrections, decisions by reason).
 - `PlannerLoop`: every `interval_s` (and at once when `wake` is called: a request is waiting for a fleet at
@@ -101,8 +101,11 @@ def _mean(metric: str, window: str, by: str) -> str:
 
 
 class Actuator(Protocol):
-    """Carries decisions out: `current()` is each pool's worker count as the actuator has set it (starting
-    and serving workers), `scale(pool, n)` brings the pool to `n` workers (returning once done)."""
+    """Carries decisions out: `refresh()` reads the pools' sizes where others may change them too (before each
+    decision), `current()` is each pool's worker count as the actuator has set or read it (starting and
+    serving workers), `scale(pool, n)` brings the pool to `n` workers (returning once done)."""
+
+    async def refresh(self) -> None: ...
 
     def current(self) -> dict[str, int]: ...
 
@@ -115,6 +118,9 @@ class PoolActuator:
 
     def __init__(self, pools: Mapping[str, Any]) -> None:
         self.pools = dict(pools)
+
+    async def refresh(self) -> None:
+        """Nothing to read: only this actuator changes the pools' targets."""
 
     def current(self) -> dict[str, int]:
         """Each pool's target as the pool keeps it (a dead worker being replaced still counts)."""
@@ -246,6 +252,7 @@ class PlannerLoop:
     async def _tick(self) -> Decision | None:
         now_s = self.clock()
         waiting = self._waiting_for_worker() if self._waiting_for_worker is not None else 0
+        await self.actuator.refresh()  # raises: the round is skipped, the pools keep their size
         current = self.actuator.current()
         try:
             observation = await asyncio.to_thread(self.reader.observe, now_s)

@@ -38,7 +38,7 @@ from dynserve.events.base import EventPlane
 from dynserve.protocol import WorkerInfo
 from dynserve.workers.worker import Role, launch_worker, reserved_cpus
 
-__all__ = ["Member", "PoolPolicy", "RestartPolicy", "WorkerPool", "worker_resources"]
+__all__ = ["Member", "PoolPolicy", "RestartPolicy", "WorkerPool", "node_resource", "worker_resources"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class PoolPolicy:
     _ids: itertools.count[int] = field(default_factory=itertools.count)
     _restarts_s: deque[float] = field(default_factory=deque)
     _last_failure_s: float | None = None
+    following: bool = False  # follow mode: nodes leave before their workers are seen dead (see `follow`)
 
     @property
     def num_active(self) -> int:
@@ -123,6 +124,22 @@ class PoolPolicy:
         self.target -= 1
         return member
 
+    def follow(self, num_nodes: int, now_s: float) -> tuple[list[str], list[str]]:
+        """Follow mode: the target is the number of nodes made for this pool (one worker each). Returns (ids of
+        workers to start now for nodes that joined, ids of starting workers to drop for nodes that left).
+        A serving worker whose node left is not dropped here: it dies with its node and its death is seen by
+        the health check (so `num_active` may exceed `target` until then). A worker that dies while its node
+        stays is replaced by `replacements`, under the restart policy."""
+        new = [self._new_member(now_s) for _ in range(num_nodes - max(self.target, self.num_active))]
+        self.target, self.following = num_nodes, True
+        dropped = []
+        for member in reversed([m for m in self.members.values() if m.state == "starting"]):
+            if self.num_active <= self.target:
+                break
+            member.state = "draining"
+            dropped.append(member.worker_id)
+        return new, dropped
+
     def seen(self, worker_id: str, now_s: float) -> None:
         if (member := self.members.get(worker_id)) is not None:
             member.seen_s = now_s
@@ -162,7 +179,7 @@ class PoolPolicy:
 
     def check_integrity(self) -> None:
         assert self.target >= 0, self.target
-        assert self.num_active <= self.target, (self.num_active, self.target)
+        assert self.num_active <= self.target or self.following, (self.num_active, self.target)
         for worker_id, member in self.members.items():
             assert member.worker_id == worker_id
             assert member.state != "serving" or member.info is not None, worker_id
@@ -171,6 +188,11 @@ class PoolPolicy:
         worker_id = f"{self.name}-{next(self._ids)}"
         self.members[worker_id] = Member(worker_id, "starting", now_s)
         return worker_id
+
+
+def node_resource(role: str) -> str:
+    """The Ray resource a node made for a pool of `role` offers (one unit: one worker), in follow mode."""
+    return f"dynserve_pool_{role}"
 
 
 def worker_resources(num_cluster_gpus: float, num_cpus: float) -> dict[str, float]:
@@ -184,6 +206,11 @@ class WorkerPool:
 
     `start(n)` and `add()` return once the new workers serve (they have registered by then); `remove()`
     drains a worker and ends its actor; `workers()` lists the serving ones; `close()` ends them all.
+
+    Follow mode (`settings.pools_follow_nodes`, how the operator runs a fleet): the pool's size is not asked
+    for but read from the cluster: one worker on each node offering the resource `node_resource(role)` (a
+    Kubernetes pod of the pool's Deployment), taking that node's CPUs and GPUs; `start` returns the workers
+    serving once the first of them does, and the monitor follows nodes as they join and leave.
     """
 
     def __init__(self, settings: Settings, *, name: str = "pool", role: Role = "both",
@@ -220,8 +247,32 @@ class WorkerPool:
         return self._handles[worker_id]
 
     async def start(self, num_workers: int) -> list[WorkerInfo]:
-        """Start `num_workers` more workers; returns their infos once all serve."""
+        """Start `num_workers` more workers; returns their infos once all serve. In follow mode, one worker per
+        node made for the pool instead (`num_workers` is ignored): returns once one serves."""
+        if self.settings.pools_follow_nodes:
+            return await self._start_following()
         return list(await asyncio.gather(*(self.add() for _ in range(num_workers))))
+
+    async def _start_following(self) -> list[WorkerInfo]:
+        if self._monitor is None:
+            self._monitor = asyncio.create_task(self._monitor_forever(), name=f"pool-{self.name}")
+        while not self.policy.serving():
+            await asyncio.sleep(self.settings.pool_health_interval_s)
+        return self.policy.serving()
+
+    async def _follow_nodes(self) -> None:
+        """Follow mode: grow or shrink to the nodes offering this pool's resource."""
+        import ray
+
+        total = await asyncio.to_thread(ray.cluster_resources)
+        new, dropped = self.policy.follow(int(total.get(node_resource(self.role), 0)), time.monotonic())
+        for worker_id in dropped:
+            logger.info("pool %s: its node left before %s started; dropping it", self.name, worker_id)
+            self.policy.died(worker_id, time.monotonic())
+            self._end(worker_id)
+        for worker_id in new:
+            logger.info("pool %s: a node joined; starting %s", self.name, worker_id)
+            asyncio.create_task(self._replace(worker_id), name=f"start-{worker_id}")
 
     async def add(self) -> WorkerInfo:
         """Start one more worker; its info once it serves. Raises PoolError if it fails to start (the pool
@@ -272,12 +323,19 @@ class WorkerPool:
     async def _launch(self, worker_id: str) -> WorkerInfo:
         import ray
 
-        if self._resources is None:
-            num_gpus = 0.0 if self.settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
-            self._resources = worker_resources(num_gpus, reserved_cpus(self.settings))
+        settings = self.settings
+        if settings.pools_follow_nodes:  # the whole node is the worker's
+            cpus, gpus = await asyncio.to_thread(self._node_size)
+            settings = settings.model_copy(update={"num_threads": settings.num_threads or max(1, int(cpus))})
+            resources: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus,
+                                         "resources": {node_resource(self.role): 1.0}}
+        else:
+            if self._resources is None:
+                num_gpus = 0.0 if settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
+                self._resources = worker_resources(num_gpus, reserved_cpus(settings))
+            resources = dict(self._resources)
         try:
-            handle, info_ref = launch_worker(self.settings, worker_id, self.role, publish_events=True,
-                                             **self._resources)
+            handle, info_ref = launch_worker(settings, worker_id, self.role, publish_events=True, **resources)
             self._handles[worker_id] = handle
             info: WorkerInfo = await info_ref
         except Exception as exc:
@@ -291,10 +349,24 @@ class WorkerPool:
         logger.info("pool %s: worker %s serving at %s:%d", self.name, worker_id, info.host, info.port)
         return info
 
+    def _node_size(self) -> tuple[float, float]:
+        """(CPUs, GPUs) of a node made for this pool (they are alike: one pod template)."""
+        import ray
+
+        for node in ray.nodes():
+            if node.get("Alive") and node_resource(self.role) in node.get("Resources", {}):
+                gpus = 0.0 if self.settings.mocker is not None else node["Resources"].get("GPU", 0.0)
+                return node["Resources"].get("CPU", 0.0), gpus
+        return 0.0, 0.0
+
     async def _monitor_forever(self) -> None:
+        next_follow_s = 0.0
         while True:
             await asyncio.sleep(self.settings.pool_health_interval_s)
             try:
+                if self.settings.pools_follow_nodes and time.monotonic() >= next_follow_s:
+                    next_follow_s = time.monotonic() + 1.0  # reads the cluster's resources from Ray's GCS
+                    await self._follow_nodes()
                 await self._check_once()
             except Exception:  # keep watching whatever one round hit
                 logger.exception("pool %s: health check round failed", self.name)

@@ -396,11 +396,12 @@ def reserved_cpus(settings: Settings) -> float:
 
 def launch_worker(
     settings: Settings, worker_id: str, role: Role = "both", *, num_cpus: float | None = None,
-    num_gpus: float = 0.0, publish_events: bool = False,
+    num_gpus: float = 0.0, publish_events: bool = False, resources: dict[str, float] | None = None,
 ) -> tuple[Any, Any]:
     """Create the worker actor and start it; returns (actor handle, ObjectRef of its `WorkerInfo`).
 
-    `num_cpus` defaults to `reserved_cpus(settings)`. A mocker worker when `settings.mocker` names a
+    `num_cpus` defaults to `reserved_cpus(settings)`; `resources`: custom Ray resources it needs (a pool
+    following its nodes: `dynserve_pool_<role>`). A mocker worker when `settings.mocker` names a
     profile. Resolving the ref waits for the model to load. Ray must be initialized.
     """
     import ray
@@ -413,7 +414,8 @@ def launch_worker(
     num_threads = settings.num_threads or os.cpu_count() or 1
     actor_cls = ray.remote(EngineWorker)
     handle = actor_cls.options(
-        num_cpus=num_cpus, num_gpus=num_gpus, name=f"dynserve-worker-{worker_id}", max_concurrency=1000,
+        num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, name=f"dynserve-worker-{worker_id}",
+        max_concurrency=1000,
         runtime_env={"env_vars": {"OMP_NUM_THREADS": str(num_threads)}},
         scheduling_strategy="SPREAD",  # a pool's workers on as many nodes as can take them: a lost node costs few
     ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, publish_events)
