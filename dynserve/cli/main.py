@@ -95,6 +95,9 @@ def _build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(profile)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
     _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker", "transfer", "metrics", "planner")
+    from dynserve.cli.deploy import add_kube_commands
+
+    add_kube_commands(sub)  # deploy, status, delete
     return parser
 
 
@@ -174,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             from dynserve.cli.serve import serve
 
             return serve(settings_from(args))
+        if args.command in ("deploy", "status", "delete"):
+            from dynserve.cli.deploy import run
+
+            return run(args)
     except InvalidRequestError as exc:
         print(f"dynctl: invalid input: {exc}", file=sys.stderr)
         return EXIT_USAGE

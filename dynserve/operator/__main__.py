@@ -5,13 +5,15 @@
 
 Watches DynServeDeployments and DynServePools in the namespaces given (all, without one), serves its
 metrics at `:METRICS_PORT/metrics` and its liveness at `:HEALTH_PORT/healthz`. With several replicas, kopf's
-peering `NAME` keeps one active (the others pause until it goes): the chart creates the peering object.
+peering `NAME` keeps one active, the one of highest priority (each process draws its own at random, as equal
+priorities would pause them all); the others wait until it goes. The chart creates the peering object.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import random
 
 __all__ = ["main"]
 
@@ -25,7 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--peering", default="dynserve-operator", help="kopf peering name (leader election)")
     group.add_argument("--standalone", action="store_true", help="no peering: the only operator")
-    parser.add_argument("--kubeconfig", default=None, help="default: in-cluster, else ~/.kube/config")
+    parser.add_argument("--priority", type=int, default=None, help="peering priority [default: random]")
+    parser.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG or ~/.kube/config, else in-cluster")
     parser.add_argument("--context", default=None)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -40,8 +43,9 @@ def main(argv: list[str] | None = None) -> None:
 
     handlers.CLIENT["client"] = KubeClient.connect(kubeconfig=args.kubeconfig, context=args.context)
     start_http_server(args.metrics_port, registry=REGISTRY)
+    priority = args.priority if args.priority is not None else random.SystemRandom().randrange(1, 2**31)
     kopf.run(clusterwide=not args.namespace, namespaces=args.namespace, standalone=args.standalone,
-             peering_name=None if args.standalone else args.peering,
+             peering_name=None if args.standalone else args.peering, priority=priority,
              liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz")
 
 

@@ -71,6 +71,11 @@ def on_deployment(body: Any, patch: Any) -> None:
     except InvalidRequestError as exc:
         patch.status.update(invalid_status(obj, str(exc)))
         raise kopf.PermanentError(f"invalid spec: {exc}") from exc
+    except kopf.PermanentError as exc:  # the API refused a child for good: say so where users look
+        cause = exc.__cause__
+        reason = cause.reason if isinstance(cause, KubernetesError) and cause.reason else "Refused"
+        patch.status.update(invalid_status(obj, str(exc), reason=reason))
+        raise
     metrics.CHILDREN_APPLIED.inc(len(children))
     patch.status.update(_run("DynServeDeployment", "status", lambda: deployment_status(_client(), obj)))
 

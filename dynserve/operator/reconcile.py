@@ -174,11 +174,12 @@ def deployment_status(client: Client, obj: dict[str, Any]) -> dict[str, Any]:
             "phase": "Degraded" if failing else "Ready" if ready else "Progressing"}
 
 
-def invalid_status(obj: dict[str, Any], message: str) -> dict[str, Any]:
-    """The status of a deployment whose spec cannot be served (permanent until edited)."""
+def invalid_status(obj: dict[str, Any], message: str, *, reason: str = "InvalidSpec") -> dict[str, Any]:
+    """The status of a deployment that cannot be served until it is edited: its spec is invalid, or the API
+    refused one of its children for good (`reason`: the API's, e.g. Forbidden)."""
     generation = obj["metadata"].get("generation")
     previous = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
     return {"observedGeneration": generation, "phase": "Degraded", "conditions": [
-        _condition("Ready", False, "InvalidSpec", message, generation, previous),
-        _condition("Progressing", False, "InvalidSpec", "waiting for the spec to be fixed", generation, previous),
-        _condition("Degraded", True, "InvalidSpec", message, generation, previous)]}
+        _condition("Ready", False, reason, message, generation, previous),
+        _condition("Progressing", False, reason, "waiting for the resource to be fixed", generation, previous),
+        _condition("Degraded", True, reason, message, generation, previous)]}
