@@ -36,6 +36,7 @@ NAME, NAMESPACE = "smol", "ml"
 MODEL = "SmolLM2-135M-Instruct"
 VENV_BIN = str(Path(sys.executable).parent)
 SPEC = {
+    "gateway": {"replicas": 2},  # the head's gateway and one gateway-only pod
     "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1, "maxReplicas": 4}},
     "engine": {"mocker": "cpu", "mockerSpeedup": 10},
     # every prompt is prefilled remotely, so both pools serve each request
@@ -114,16 +115,16 @@ class Pods:
 @pytest.fixture(scope="module")
 def pods() -> Iterator[tuple[Hosts, Pods]]:
     children = build_children(NAME, NAMESPACE, parse_deployment(SPEC), uid="0a1b")
-    with Hosts(4) as hosts, tempfile.TemporaryDirectory(prefix="dynserve-pods-", dir="/var/tmp") as log_dir:
+    with Hosts(5) as hosts, tempfile.TemporaryDirectory(prefix="dynserve-pods-", dir="/var/tmp") as log_dir:
         yield hosts, Pods(hosts, children, Path(log_dir))
 
 
-def _gateway(hosts: Hosts) -> str:
-    return f"http://{hosts[0].ip}:8000"
+def _gateway(hosts: Hosts, index: int = 0) -> str:
+    return f"http://{hosts[index].ip}:8000"
 
 
-def _worker_up(hosts: Hosts) -> float:
-    text = hosts[0].call(lambda: httpx.get(f"{_gateway(hosts)}/metrics", timeout=10).text)
+def _worker_up(hosts: Hosts, index: int = 0) -> float:
+    text = hosts[0].call(lambda: httpx.get(f"{_gateway(hosts, index)}/metrics", timeout=10).text)
     return sum(float(v) for v in re.findall(r"^dynserve_gateway_worker_up\{[^}]*\} (\S+)$", text, re.MULTILINE))
 
 
@@ -157,15 +158,19 @@ def _chat(url: str) -> list[str]:
 
 def test_the_built_pods_serve_and_a_pool_follows_its_pods(pods: tuple[Hosts, Pods]) -> None:
     hosts, fleet = pods
-    a, b, c, d = hosts[0], hosts[1], hosts[2], hosts[3]
+    a, b, c, d, e = hosts[0], hosts[1], hosts[2], hosts[3], hosts[4]
     fleet.start(f"{NAME}-head", a)
     fleet.start(f"{NAME}-prefill", b)
     fleet.start(f"{NAME}-decode", c)
+    fleet.start(f"{NAME}-gateway", e)
     url = _gateway(hosts)
     _wait("the gateway ready with both pools' workers",
           lambda: a.call(lambda: httpx.get(f"{url}/ready", timeout=5).status_code == 200) and _worker_up(hosts) == 2,
           fleet)
     assert all(a.call(lambda: _chat(url))), "empty answers"
+    # the gateway-only pod serves the same fleet
+    _wait("the second gateway ready", lambda: _worker_up(hosts, 4) == 2, fleet)
+    assert all(a.call(lambda: _chat(_gateway(hosts, 4))))
     metrics = a.call(lambda: httpx.get(f"{url}/metrics", timeout=10).text)
     assert re.search(r'^dynserve_disagg_requests_total\{[^}]*path="remote"[^}]*\} [1-9]', metrics, re.MULTILINE), \
         metrics[-2000:]

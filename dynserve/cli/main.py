@@ -95,6 +95,10 @@ def _build_parser() -> argparse.ArgumentParser:
     add_profile_arguments(profile)
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible API: local Ray, a worker and the gateway")
     _add_settings_flags(serve, "gateway", "engine", "cluster", "mocker", "transfer", "metrics", "planner")
+    gateway = sub.add_parser("gateway", help="a gateway alone over a fleet that runs elsewhere (its Ray cluster "
+                             "or Redis event plane): more gateways for one fleet")
+    _add_settings_flags(gateway, "gateway", "cluster")
+    add_settings_group(gateway, "engine", only={"model"})  # its tokenizer
     from dynserve.cli.deploy import add_kube_commands
 
     add_kube_commands(sub)  # deploy, status, delete
@@ -177,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
             from dynserve.cli.serve import serve
 
             return serve(settings_from(args))
+        if args.command == "gateway":
+            from dynserve.cli.gateway import gateway
+
+            return gateway(settings_from(args))
         if args.command in ("deploy", "status", "delete"):
             from dynserve.cli.deploy import run
 

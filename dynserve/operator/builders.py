@@ -5,7 +5,9 @@ What one deployment `NAME` becomes (all in its namespace, owned by it, labelled 
 - ConfigMap `NAME-config`: the dynserve settings every pod reads (`DYN_*`, `config.py`'s names);
 - the head, Deployment `NAME-head` (one pod: a Ray head with 0 CPUs, so no worker lands there, and `dynctl
   serve` on it: gateway, router, planner, and with the planner and no Prometheus given, a Prometheus) and
-  Service `NAME-head` (Ray's GCS port, for the worker pods to join); Service `NAME` is the OpenAI API;
+  Service `NAME-head` (Ray's GCS port, for the worker pods to join); with `gateway.replicas` > 1, Deployment
+  `NAME-gateway` of `dynctl gateway` pods joining the head's cluster; Service `NAME` is the OpenAI API over
+  every gateway pod;
 - per pool (`workers`, or `prefill` and `decode`): a `DynServePool` `NAME-POOL` (the `/scale` unit, created
   with the spec's replicas and afterwards owned by whoever scales it), Deployment `NAME-POOL` whose pods are
   Ray nodes offering the resource `dynserve_pool_ROLE` (one unit each: the head's pools follow the nodes
@@ -45,6 +47,7 @@ OBJECT_STORE_BYTES = 256 * 2**20  # Ray's object store: small, no tensors pass t
 MANAGER = "dynserve-operator"
 DEPLOYMENT_LABEL = f"{GROUP}/deployment"
 POOL_LABEL = f"{GROUP}/pool"
+GATEWAY_LABEL = f"{GROUP}/gateway"  # on every pod serving the OpenAI API (the head's and gateway-only ones)
 
 
 def labels(name: str, component: str, spec: DeploymentSpec | None = None) -> dict[str, str]:
@@ -136,14 +139,17 @@ def _env_text(value: Any) -> str:
 
 
 def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: float = 1.0) -> list[str]:
-    """The container command of a head (`kind="head"`) or a pool's worker pod (`kind="worker"`): a shell
-    that starts the pod's Ray node and then the pod's one long-running process. `$POD_IP` comes from the
+    """The container command of a head (`kind="head"`), a gateway-only (`"gateway"`) or a pool's worker pod
+    (`"worker"`): a shell that starts the pod's Ray node and then the pod's one long-running process. `$POD_IP` comes from the
     pod's environment (the downward API)."""
     ray = (f"ray start --node-ip-address=\"$POD_IP\" --object-store-memory={OBJECT_STORE_BYTES} "
            "--disable-usage-stats")
     if kind == "head":
         script = (f"{ray} --head --port={RAY_PORT} --num-cpus=0 --include-dashboard=false && "
                   f"exec dynctl serve --ray-address=\"$POD_IP:{RAY_PORT}\"")
+    elif kind == "gateway":  # a Ray driver needs a node of its own: one with no CPUs, where nothing is placed
+        script = (f"{ray} --address={head_host}:{RAY_PORT} --num-cpus=0 && "
+                  f"exec dynctl gateway --ray-address={head_host}:{RAY_PORT}")
     else:
         resources = json.dumps({pool_resource(role): 1}, separators=(",", ":"))
         script = (f"exec {ray} --address={head_host}:{RAY_PORT} --num-cpus={ray_cpus:g} "
@@ -222,7 +228,7 @@ def build_head(name: str, namespace: str, spec: DeploymentSpec, uid: str | None 
     }
     account = f"{name}-head" if spec.planner.enabled else None
     selector = selector_labels(name, "head")
-    meta = _meta(name, namespace, "head", spec, uid, f"{name}-head")
+    meta = _meta(name, namespace, "head", spec, uid, f"{name}-head", {GATEWAY_LABEL: "true"})
     children: list[dict[str, Any]] = [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
          "spec": {"replicas": 1, "strategy": {"type": "Recreate"},  # one Ray head, never two
@@ -234,12 +240,28 @@ def build_head(name: str, namespace: str, spec: DeploymentSpec, uid: str | None 
          "spec": {"selector": selector, "ports": [{"name": "ray-gcs", "port": RAY_PORT, "targetPort": "ray-gcs"}]}},
         {"apiVersion": "v1", "kind": "Service",
          "metadata": _meta(name, namespace, "gateway", spec, uid, extra_labels={f"{GROUP}/metrics": "true"}),
-         "spec": {"type": spec.gateway.service_type, "selector": selector,
+         "spec": {"type": spec.gateway.service_type,
+                  "selector": {"app.kubernetes.io/instance": name, GATEWAY_LABEL: "true"},
                   "ports": [{"name": GATEWAY_PORT_NAME, "port": port, "targetPort": GATEWAY_PORT_NAME}]}},
     ]
+    if spec.gateway.replicas > 1:
+        children.append(_gateway_deployment(name, namespace, spec, uid, container))
     if account is not None:
         children += _planner_rbac(name, namespace, spec, uid, account)
     return children
+
+
+def _gateway_deployment(name: str, namespace: str, spec: DeploymentSpec, uid: str | None,
+                        head: dict[str, Any]) -> dict[str, Any]:
+    """The gateway-only pods: the head container's probes and resources, `dynctl gateway` as command."""
+    meta = _meta(name, namespace, "gateway", spec, uid, f"{name}-gateway", {GATEWAY_LABEL: "true"})
+    container = {**head, "name": "gateway", "command": pod_command("gateway", head_host=f"{name}-head"),
+                 "ports": [p for p in head["ports"] if p["name"] == GATEWAY_PORT_NAME]}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+            "spec": {"replicas": spec.gateway.replicas - 1, "selector": {"matchLabels": selector_labels(name, "gateway")},
+                     "template": {"metadata": {"labels": meta["labels"]},
+                                  "spec": _pod_spec(name, spec, container, node_selector=spec.gateway.node_selector,
+                                                    tolerations=spec.gateway.tolerations)}}}
 
 
 def _planner_rbac(name: str, namespace: str, spec: DeploymentSpec, uid: str | None,

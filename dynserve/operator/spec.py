@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from dynserve.config import Settings
@@ -64,7 +64,7 @@ class ModelSource(_Model):
     @model_validator(mode="after")
     def _one_source(self) -> ModelSource:
         if self.path and self.uri:
-            raise ValueError("give model.path or model.uri, not both")
+            raise ValueError("give path or uri, not both")
         return self
 
 
@@ -92,6 +92,8 @@ class Toleration(_Model):
 
 
 class GatewaySpec(_Model):
+    replicas: int = Field(1, ge=1, description="gateway pods behind the Service: the head's, and replicas - 1 "
+                          "gateway-only pods (each routes with its own view of the workers' KV events)")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         "ClusterIP", description="the gateway Service's type")
     port: int = Field(8000, ge=1, le=65535, description="the OpenAI API's port")
@@ -131,7 +133,7 @@ class Pools(_Model):
     def _layout(self) -> Pools:
         aggregated, disaggregated = self.workers is not None, (self.prefill, self.decode) != (None, None)
         if aggregated == disaggregated or (disaggregated and (self.prefill is None or self.decode is None)):
-            raise ValueError("pools: give `workers` (aggregated) or both `prefill` and `decode` (disaggregated)")
+            raise ValueError("give `workers` (aggregated) or both `prefill` and `decode` (disaggregated)")
         return self
 
     def items(self) -> list[tuple[str, PoolSpec]]:
@@ -168,7 +170,7 @@ class EventPlaneSpec(_Model):
     @model_validator(mode="after")
     def _url_only_for_redis(self) -> EventPlaneSpec:
         if self.redis_url and self.backend != "redis":
-            raise ValueError("eventPlane.redisUrl needs backend: redis")
+            raise ValueError("redisUrl needs backend: redis")
         return self
 
 
@@ -210,15 +212,15 @@ class DeploymentSpec(_Model):
     env: list[EnvVar] = Field(default_factory=list, description="more dynserve settings for every pod, as "
                               "DYN_* variables")
 
-    @model_validator(mode="after")
-    def _env_names_settings(self) -> DeploymentSpec:
-        for var in self.env:
-            field = var.name.removeprefix("DYN_").lower()
-            if field not in Settings.model_fields:
-                raise ValueError(f"env: {var.name} is not a dynserve setting")
+    @field_validator("env")
+    @classmethod
+    def _env_names_settings(cls, env: list[EnvVar]) -> list[EnvVar]:
+        for var in env:
+            if var.name.removeprefix("DYN_").lower() not in Settings.model_fields:
+                raise ValueError(f"{var.name} is not a dynserve setting")
             if var.name in OPERATOR_ENV:
-                raise ValueError(f"env: {var.name} is set by the operator from the spec")
-        return self
+                raise ValueError(f"{var.name} is set by the operator from the spec")
+        return env
 
     @property
     def disaggregated(self) -> bool:
@@ -239,7 +241,8 @@ def _problems(exc: pydantic.ValidationError) -> str:
     parts = []
     for error in exc.errors():
         where = ".".join(str(p) for p in error["loc"] if not str(p).startswith("function-after"))
-        parts.append(f"spec.{where}: {error['msg']}" if where else f"spec: {error['msg']}")
+        message = error["msg"].removeprefix("Value error, ")
+        parts.append(f"spec.{where}: {message}" if where else f"spec: {message}")
     return "; ".join(parts)
 
 

@@ -1,0 +1,326 @@
+"""The operator without a cluster: its CRDs, the pure builders of every child, and its handlers and reconcile
+steps called directly against the stand-in API server (`tests/kube_standin.py`, which records every request;
+no real API server runs here), through the same `KubeClient` the operator runs with. Also the planner's
+Kubernetes actuator against the same stand-in."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+
+from dynserve.config import Settings
+from dynserve.errors import InvalidRequestError, KubernetesError
+from dynserve.operator import handlers, metrics
+from dynserve.operator.builders import build_children, labels, pod_command
+from dynserve.operator.crd import CRD_DIR, crd_files, deployment_crd, pool_crd
+from dynserve.operator.kube import KubeClient
+from dynserve.operator.reconcile import deployment_status, reconcile_deployment, reconcile_pool
+from dynserve.operator.spec import API_VERSION, KIND, POOL_KIND, parse_deployment
+from dynserve.planner.kubernetes import ANNOTATION, KubernetesActuator, planner_pools
+from dynserve.workers.pool import node_resource
+from tests._kube import structural_problems, validate, validate_all
+from tests.kube_standin import KubeStandin, write_kubeconfig
+
+NS = "serving"
+DISAGG = {
+    "model": {"uri": "https://models.example.com/smol/smollm2.gguf", "dtype": "bfloat16"},
+    "pools": {"prefill": {"replicas": 1, "maxReplicas": 2, "resources": {"requests": {"cpu": "4", "memory": "8Gi"}}},
+              "decode": {"replicas": 2, "minReplicas": 1, "maxReplicas": 6,
+                         "resources": {"limits": {"nvidia.com/gpu": 1}},
+                         "nodeSelector": {"gpu": "h100"},
+                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
+    "gateway": {"serviceType": "LoadBalancer", "apiKeySecret": {"name": "dynserve-key"}},
+    "router": {"mode": "kv", "overlapWeight": 4},
+    "eventPlane": {"backend": "redis"},
+    "planner": {"enabled": True, "ttftMs": 400, "itlMs": 40},
+    "observability": {"serviceMonitor": True},
+    "env": [{"name": "DYN_KV_BLOCKS", "value": "4096"}],
+}
+SPECS = {"default": {}, "aggregated": {"pools": {"workers": {"replicas": 3}}, "engine": {"mocker": "cpu"},
+                                       "gateway": {"replicas": 3}},
+         "disaggregated": DISAGG,
+         "external-redis": {"eventPlane": {"backend": "redis", "redisUrl": "redis://redis.infra:6379/2"},
+                            "planner": {"enabled": True, "prometheusUrl": "http://prometheus.monitoring:9090"}}}
+
+
+def resource(spec: dict[str, Any], name: str = "smol") -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": NS}, "spec": spec}
+
+
+# ---- the CRDs ----------------------------------------------------------------------------------------------
+
+def test_the_chart_ships_the_crds_the_code_defines() -> None:
+    for name, text in crd_files().items():
+        assert (CRD_DIR / name).read_text() == text, f"{name} drifted: python -m dynserve.operator.crd --write"
+
+
+def test_the_crds_are_structural_and_valid_with_scale_and_status_subresources() -> None:
+    for crd in (deployment_crd(), pool_crd()):
+        validate(crd)
+        version = crd["spec"]["versions"][0]
+        assert structural_problems(version["schema"]["openAPIV3Schema"]) == []
+        assert "status" in version["subresources"]
+        assert version["additionalPrinterColumns"]
+    scale = pool_crd()["spec"]["versions"][0]["subresources"]["scale"]
+    assert scale == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                     "labelSelectorPath": ".status.selector"}
+
+
+@pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
+def test_example_resources_validate_against_the_crd(spec: dict[str, Any]) -> None:
+    validate(resource(spec))
+    parse_deployment(spec)
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"pools": {"prefill": {"replicas": 1}}}, "pools"),
+    ({"pools": {"workers": {"replicas": 1}, "decode": {"replicas": 1}}}, "pools"),
+    ({"pools": {"workers": {"replicas": 9, "maxReplicas": 4}}}, "pools.workers"),
+    ({"model": {"path": "/models/a.gguf", "uri": "https://x/a.gguf"}}, "model"),
+    ({"env": [{"name": "DYN_NOT_A_SETTING", "value": "1"}]}, "env"),
+    ({"env": [{"name": "DYN_REDIS_URL", "value": "redis://x"}]}, "env"),
+    ({"eventPlane": {"redisUrl": "redis://x"}}, "eventPlane"),
+    ({"gateway": {"replicas": 0}}, "gateway.replicas"),
+])
+def test_a_bad_spec_names_its_field(spec: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=rf"spec\.{field}"):
+        parse_deployment(spec)
+
+
+# ---- the builders ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
+def test_every_child_validates_offline_and_is_owned_and_labelled(spec: dict[str, Any]) -> None:
+    children = build_children("smol", NS, parse_deployment(spec), uid="u-1")
+    validate_all(children)
+    assert len({(c["kind"], c["metadata"]["name"]) for c in children}) == len(children)
+    for child in children:
+        meta = child["metadata"]
+        assert meta["namespace"] == NS
+        assert meta["ownerReferences"] == [{"apiVersion": API_VERSION, "kind": KIND, "name": "smol", "uid": "u-1",
+                                            "controller": True, "blockOwnerDeletion": True}]
+        for key in ("name", "instance", "component", "part-of", "managed-by", "version"):
+            assert f"app.kubernetes.io/{key}" in meta["labels"], (child["kind"], key)
+
+
+@pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
+def test_the_config_map_sets_only_dynserve_settings_that_parse(spec: dict[str, Any]) -> None:
+    config = build_children("smol", NS, parse_deployment(spec))[0]
+    assert config["kind"] == "ConfigMap"
+    for key in config["data"]:
+        assert key.startswith("DYN_") and key[4:].lower() in Settings.model_fields, key
+    Settings.model_validate({k[4:].lower(): v for k, v in config["data"].items()})  # every value parses
+
+
+def _by(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(c for c in children if c["kind"] == kind and c["metadata"]["name"] == name)
+
+
+def test_disaggregated_children_carry_the_spec_to_the_pods() -> None:
+    children = build_children("smol", NS, parse_deployment(DISAGG))
+    config = _by(children, "ConfigMap", "smol-config")["data"]
+    assert config["DYN_MODEL"] == "/models/smollm2.gguf" and config["DYN_DTYPE"] == "bfloat16"
+    assert config["DYN_REDIS_URL"] == "redis://smol-redis:6379/0"
+    assert config["DYN_PLANNER_KUBERNETES"] == f"{NS}/smol" and config["DYN_PROMETHEUS"] == "true"
+    assert (config["DYN_PLANNER_MIN_DECODE_WORKERS"], config["DYN_PLANNER_MAX_DECODE_WORKERS"]) == ("1", "6")
+    decode = _by(children, "Deployment", "smol-decode")
+    pod = decode["spec"]["template"]["spec"]
+    assert decode["spec"]["replicas"] == 2
+    assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["initContainers"][0]["command"][-2:] == [DISAGG["model"]["uri"], "/models/smollm2.gguf"]
+    # the pod's Ray node offers the resource the head's pool asks its workers for, with the pod's CPUs
+    command = pod["containers"][0]["command"][-1]
+    assert f'"{node_resource("decode")}":1' in command and "--address=smol-head:6379" in command
+    assert "--num-cpus=4" in _by(children, "Deployment", "smol-prefill")["spec"]["template"]["spec"][
+        "containers"][0]["command"][-1]
+    head = _by(children, "Deployment", "smol-head")["spec"]["template"]["spec"]
+    assert head["serviceAccountName"] == "smol-head"
+    assert {"name": "DYN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "dynserve-key", "key": "api-key"}}} in \
+        head["containers"][0]["env"]
+    assert _by(children, "Service", "smol")["spec"]["type"] == "LoadBalancer"
+    role = _by(children, "Role", "smol-planner")
+    assert {"apiGroups": ["dynserve.io"], "resources": ["dynservepools/scale"],
+            "verbs": ["get", "patch", "update"]} in role["rules"]
+    assert _by(children, "DynServePool", "smol-decode")["spec"] == {
+        "deployment": "smol", "pool": "decode", "replicas": 2, "minReplicas": 1, "maxReplicas": 6}
+
+
+def test_the_head_runs_a_ray_head_without_cpus_then_dynctl_serve() -> None:
+    script = pod_command("head")[-1]
+    assert "ray start" in script and "--head" in script and "--num-cpus=0" in script
+    assert script.rstrip().endswith('exec dynctl serve --ray-address="$POD_IP:6379"')
+    assert labels("smol", "head")["app.kubernetes.io/instance"] == "smol"
+
+
+# ---- reconcile and the handlers, against the stand-in API server ------------------------------------------
+
+@pytest.fixture
+def kube(tmp_path: Path) -> Iterator[tuple[KubeStandin, KubeClient]]:
+    with KubeStandin() as standin:
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", standin.url, namespace=NS)
+        with KubeClient.connect(kubeconfig=str(kubeconfig)) as client:
+            handlers.CLIENT["client"] = client
+            yield standin, client
+            handlers.CLIENT.clear()
+
+
+def _create(client: KubeClient, spec: dict[str, Any], name: str = "smol") -> dict[str, Any]:
+    return client.apply(resource(spec, name), field_manager="test")
+
+
+def _pool(client: KubeClient, name: str) -> dict[str, Any]:
+    obj = client.get(API_VERSION, POOL_KIND, name, NS)
+    assert obj is not None
+    return obj
+
+
+def _deployment_replicas(client: KubeClient, name: str) -> int:
+    obj = client.get("apps/v1", "Deployment", name, NS)
+    assert obj is not None
+    return int(obj["spec"]["replicas"])
+
+
+def test_reconcile_creates_every_child_and_leaves_a_scaled_pool_to_its_scaler(
+        kube: tuple[KubeStandin, KubeClient]) -> None:
+    _standin, client = kube
+    obj = _create(client, DISAGG)
+    children = reconcile_deployment(client, "smol", NS, obj["spec"], obj["metadata"]["uid"])
+    for child in children:
+        stored = client.get(child["apiVersion"], child["kind"], child["metadata"]["name"], NS)
+        assert stored is not None, child["metadata"]["name"]
+        assert stored["metadata"]["ownerReferences"][0]["uid"] == obj["metadata"]["uid"]
+    assert _deployment_replicas(client, "smol-decode") == 2
+    # an HPA (or kubectl scale) scales the pool through /scale; the pool handler resizes its Deployment
+    client.patch(API_VERSION, POOL_KIND, "smol-decode", NS, {"spec": {"replicas": 5}}, subresource="scale")
+    status = reconcile_pool(client, _pool(client, "smol-decode"))
+    assert _deployment_replicas(client, "smol-decode") == 5
+    assert status["selector"] == ("app.kubernetes.io/component=pool-decode,app.kubernetes.io/instance=smol,"
+                                  "app.kubernetes.io/name=dynserve")
+    # reconciling the deployment again (any edit, or the operator restarting) keeps the scaler's count
+    reconcile_deployment(client, "smol", NS, obj["spec"], obj["metadata"]["uid"])
+    assert _pool(client, "smol-decode")["spec"]["replicas"] == 5
+    assert _deployment_replicas(client, "smol-decode") == 5
+    # a change of the count in the deployment's own spec is the user's: it applies
+    spec = {**DISAGG, "pools": {**DISAGG["pools"], "decode": {**DISAGG["pools"]["decode"], "replicas": 3}}}
+    reconcile_deployment(client, "smol", NS, spec, obj["metadata"]["uid"])
+    assert _pool(client, "smol-decode")["spec"]["replicas"] == 3 and _deployment_replicas(client, "smol-decode") == 3
+
+
+def test_children_the_spec_no_longer_asks_for_are_deleted(kube: tuple[KubeStandin, KubeClient]) -> None:
+    _standin, client = kube
+    obj = _create(client, DISAGG)
+    reconcile_deployment(client, "smol", NS, obj["spec"], obj["metadata"]["uid"])
+    assert client.get("monitoring.coreos.com/v1", "ServiceMonitor", "smol", NS) is not None
+    plain = {k: v for k, v in DISAGG.items() if k not in ("observability", "eventPlane", "planner")}
+    reconcile_deployment(client, "smol", NS, plain, obj["metadata"]["uid"])
+    for api_version, kind, name in (("monitoring.coreos.com/v1", "ServiceMonitor", "smol"),
+                                    ("apps/v1", "Deployment", "smol-redis"), ("v1", "Service", "smol-redis"),
+                                    ("rbac.authorization.k8s.io/v1", "Role", "smol-planner")):
+        assert client.get(api_version, kind, name, NS) is None, (kind, name)
+    assert client.get("apps/v1", "Deployment", "smol-decode", NS) is not None
+
+
+def _run_handler(fn: Any, obj: dict[str, Any]) -> dict[str, Any]:
+    patch = kopf.Patch()
+    fn(body=obj, patch=patch)
+    return dict(patch.get("status", {}))
+
+
+def test_the_deployment_handler_writes_a_status_that_follows_the_pods(kube: tuple[KubeStandin, KubeClient]) -> None:
+    _standin, client = kube
+    obj = _create(client, SPECS["aggregated"])
+    status = _run_handler(handlers.on_deployment, obj)
+    assert status["phase"] == "Progressing" and status["observedGeneration"] == obj["metadata"]["generation"]
+    assert status["pools"] == {"workers": {"desiredReplicas": 3, "readyReplicas": 0}}
+    assert status["gatewayURL"] == f"http://smol.{NS}.svc:8000/v1"
+    ready = {c["type"]: c["status"] for c in status["conditions"]}
+    assert ready == {"Ready": "False", "Progressing": "True", "Degraded": "False"}
+    # the pods come up (the stand-in's Deployments get the status a controller would write)
+    client.patch("apps/v1", "Deployment", "smol-head", NS, {"status": {"readyReplicas": 1}}, subresource="status")
+    client.patch("apps/v1", "Deployment", "smol-workers", NS, {"status": {"replicas": 3, "readyReplicas": 3}},
+                 subresource="status")
+    status = deployment_status(client, {**obj, "status": status})
+    assert status["phase"] == "Ready"
+    assert {c["type"]: c["status"] for c in status["conditions"]}["Ready"] == "True"
+    pool_status = _run_handler(handlers.on_pool, _pool(client, "smol-workers"))
+    assert (pool_status["replicas"], pool_status["readyReplicas"]) == (3, 3)
+
+
+def test_a_bad_spec_is_permanent_and_says_why_in_the_status(kube: tuple[KubeStandin, KubeClient]) -> None:
+    _standin, client = kube
+    obj = {**resource({}), "metadata": {"name": "smol", "namespace": NS, "generation": 2, "uid": "u"},
+           "spec": {"pools": {"workers": {"replicas": 5, "maxReplicas": 2}}}}
+    patch = kopf.Patch()
+    with pytest.raises(kopf.PermanentError, match="maxReplicas"):
+        handlers.on_deployment(body=obj, patch=patch)
+    degraded = {c["type"]: c for c in patch["status"]["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "InvalidSpec"
+
+
+def test_api_failures_are_retried_or_permanent_by_their_kind(kube: tuple[KubeStandin, KubeClient]) -> None:
+    standin, client = kube
+    obj = _create(client, SPECS["aggregated"])
+    before = metrics.RECONCILES.labels("DynServeDeployment", "reconcile", "retry")._value.get()
+    standin.fail_next(503, "ServiceUnavailable")
+    with pytest.raises(kopf.TemporaryError):
+        handlers.on_deployment(body=obj, patch=kopf.Patch())
+    assert metrics.RECONCILES.labels("DynServeDeployment", "reconcile", "retry")._value.get() == before + 1
+    standin.fail_next(403, "Forbidden")
+    patch = kopf.Patch()
+    with pytest.raises(kopf.PermanentError):
+        handlers.on_deployment(body=obj, patch=patch)
+    assert {c["type"]: c for c in patch["status"]["conditions"]}["Degraded"]["reason"] == "Forbidden"
+    _run_handler(handlers.on_deployment, obj)  # and a later event succeeds
+
+
+# ---- the planner's actuator ----------------------------------------------------------------------------------
+
+def test_the_planner_scales_pools_through_scale_and_holds_a_hand_set_count(
+        kube: tuple[KubeStandin, KubeClient]) -> None:
+    standin, client = kube
+    obj = _create(client, DISAGG)
+    reconcile_deployment(client, "smol", NS, obj["spec"], obj["metadata"]["uid"])
+    hand_set: list[tuple[str, int]] = []
+    actuator = KubernetesActuator(client, NS, planner_pools("smol", ("prefill", "decode")),
+                                  on_hand_set=lambda role, n: hand_set.append((role, n)), serving=dict)
+
+    async def run() -> None:
+        await actuator.refresh()
+        assert actuator.current() == {"prefill": 1, "decode": 2} and hand_set == []
+        await actuator.scale("decode", 4)
+        await actuator.refresh()
+        assert actuator.current()["decode"] == 4 and hand_set == []  # its own write is no override
+        # someone runs `kubectl scale dynservepool smol-decode --replicas 1`
+        client.patch(API_VERSION, POOL_KIND, "smol-decode", NS, {"spec": {"replicas": 1}}, subresource="scale")
+        await actuator.refresh()
+        assert hand_set == [("decode", 1)] and actuator.current()["decode"] == 1
+
+    asyncio.run(run())
+    pool = _pool(client, "smol-decode")
+    assert pool["metadata"]["annotations"][ANNOTATION] == "4"
+    assert any(r.path.endswith("/dynservepools/smol-decode/scale") and r.method == "PATCH" for r in standin.requests)
+
+
+def test_the_actuator_reports_a_vanished_pool(kube: tuple[KubeStandin, KubeClient]) -> None:
+    _standin, client = kube
+    actuator = KubernetesActuator(client, NS, {"both": "gone-workers"}, on_hand_set=lambda *_: None, serving=dict)
+    with pytest.raises(KubernetesError, match="gone"):
+        asyncio.run(actuator.refresh())
+
+
+def test_more_gateways_are_gateway_only_pods_behind_the_one_service() -> None:
+    children = build_children("smol", NS, parse_deployment(SPECS["aggregated"]))
+    gateways = _by(children, "Deployment", "smol-gateway")
+    assert gateways["spec"]["replicas"] == 2  # and the head's: 3
+    command = gateways["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert "--num-cpus=0" in command and command.endswith("exec dynctl gateway --ray-address=smol-head:6379")
+    selector = _by(children, "Service", "smol")["spec"]["selector"]
+    for deployment in (gateways, _by(children, "Deployment", "smol-head")):
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= pod_labels.items(), deployment["metadata"]["name"]
