@@ -33,6 +33,8 @@ DYNCTL = str(Path(sys.executable).parent / "dynctl")
 NS = "serving"
 _DOC = deploy_cli.__doc__ or ""
 EXAMPLE_YAML = re.search(r"# tiny\.yaml\n(.*?)\n\n", _DOC, re.DOTALL).group(1)  # type: ignore[union-attr]
+README_YAML = re.search(r"```yaml\n# tiny\.yaml\n(.*?)```", (Path(__file__).parents[1] / "README.md").read_text(),
+                        re.DOTALL).group(1)  # type: ignore[union-attr]
 EXAMPLE_FLAGS = shlex.split(
     re.search(r"dynctl deploy (--name tiny [^#\n]*)", _DOC).group(1))  # type: ignore[union-attr]
 
@@ -253,3 +255,9 @@ def test_an_unreachable_cluster_is_one_line_naming_the_server(tmp_path: Path) ->
     result = dynctl("status", "tiny", "--kubeconfig", str(kubeconfig))
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1 and "http://127.0.0.1:9" in result.stderr, result.stderr
+
+
+def test_the_readmes_example_is_the_tested_one() -> None:
+    """The README's Kubernetes section shows the example these tests deploy (so `dynctl deploy -f tiny.yaml
+    --dry-run --render` on it prints the manifests the first test here validates)."""
+    assert yaml.safe_load(README_YAML) == yaml.safe_load(EXAMPLE_YAML)

@@ -89,6 +89,31 @@ def test_a_dead_worker_is_replaced_after_a_doubling_backoff_within_a_budget() ->
     assert not policy.is_short(now_s + 100.0)
 
 
+def test_following_nodes_starts_one_worker_per_node_and_drops_only_what_never_started() -> None:
+    policy = PoolPolicy("decode")
+    new, dropped = policy.follow(2, 0.0)  # two pods joined
+    assert (new, dropped, policy.target) == (["decode-0", "decode-1"], [], 2)
+    assert policy.ready("decode-0", _info("decode-0"), 1.0)
+    assert policy.follow(2, 1.0) == ([], [])  # nothing changed: nothing to do
+    # one pod left before its worker started: that worker is dropped, the serving one stays
+    assert policy.follow(1, 2.0) == ([], ["decode-1"])
+    policy.died("decode-1", 2.0)
+    assert (policy.target, policy.num_active) == (1, 1)
+    # the serving worker's pod leaves: it stays until its death is seen, and is not replaced after it
+    assert policy.follow(0, 3.0) == ([], [])
+    assert (policy.target, policy.num_active) == (0, 1)
+    policy.check_integrity()  # more workers than target is allowed while following
+    policy.died("decode-0", 3.5)
+    assert policy.replacements(100.0) == []
+    # a worker that dies while its pod stays is replaced under the restart policy
+    new, _ = policy.follow(1, 200.0)
+    assert policy.ready(new[0], _info(new[0]), 200.0)
+    policy.died(new[0], 201.0)
+    assert policy.follow(1, 201.5) == ([], [])  # its pod still counts: the replacement is the restart policy's
+    assert len(policy.replacements(210.0)) == 1
+    policy.check_integrity()
+
+
 def test_an_unresponsive_worker_is_reported_and_an_answer_keeps_it() -> None:
     policy = _serving_policy(2)
     policy.seen("p-0", 8.0)
