@@ -164,8 +164,8 @@ def ensure_sglang_router(binary: Path | None = None) -> Path:
         return binary
     found = PEERS_VENV / "bin" / "sglang-router"
     if not found.exists():
-        log("sglang-router is missing: running scripts/setup-peers.sh")
-        subprocess.run(["bash", str(REPO_ROOT / "scripts" / "setup-peers.sh")], check=True, stdout=sys.stderr)
+        log("sglang-router is missing: running scripts/setup-peers.sh sglang")
+        subprocess.run(["bash", str(REPO_ROOT / "scripts" / "setup-peers.sh"), "sglang"], check=True, stdout=sys.stderr)
     return found
 
 
