@@ -165,7 +165,8 @@ def ensure_sglang_router(binary: Path | None = None) -> Path:
     found = PEERS_VENV / "bin" / "sglang-router"
     if not found.exists():
         log("sglang-router is missing: running scripts/setup-peers.sh sglang")
-        subprocess.run(["bash", str(REPO_ROOT / "scripts" / "setup-peers.sh"), "sglang"], check=True, stdout=sys.stderr)
+        subprocess.run(["bash", str(REPO_ROOT / "scripts" / "setup-peers.sh"), "sglang"], check=True,
+                       stdout=sys.stderr)
     return found
 
 
