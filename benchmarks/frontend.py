@@ -23,6 +23,12 @@ and checked: 16 tokens, a usage chunk, `[DONE]`), so its own CPU, which shares t
 stays small. The last stdout line is the JSON result; a copy goes to `benchmarks/results/`.
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.frontend [--quick] [--worker-metrics on|off]
+                                                            [--server ours|uvicorn|both]
+
+`--server` picks the HTTP server in front of the same gateway app: ours (`gateway/http.py`, as served), or
+uvicorn (httptools, uvloop) through `_UvicornGateway`, a benchmark-only ASGI adapter that hands the
+completion routes the same `Exchange` calls; `both` runs a gateway process of each over the same mockers
+and alternates their c32 and c1 phases (3 c32 rounds each; the medians and `uvicorn_over_ours` ratios).
 
 With `--worker-metrics on` (the default, as served) the mockers record and serve their Prometheus metrics, and
 a process of its own scrapes both endpoints every 50 ms during c32 (c32 lasts about a second: a production
@@ -145,7 +151,8 @@ async def _load(host: str, port: int, bodies: list[bytes], concurrency: int) -> 
             "p50_ms": 1000 * percentile(latencies, 50), "p90_ms": 1000 * percentile(latencies, 90)}
 
 
-def _gateway_process(settings_json: str, infos_bytes: bytes, ray_address: str, ports: Any) -> None:
+def _gateway_process(settings_json: str, infos_bytes: bytes, ray_address: str, ports: Any,
+                     server: str = "ours") -> None:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import msgspec
     import ray
@@ -157,7 +164,91 @@ def _gateway_process(settings_json: str, infos_bytes: bytes, ray_address: str, p
     ray.init(address=ray_address, log_to_driver=False)  # the embedded event plane lives in Ray
     settings = Settings.model_validate_json(settings_json)
     infos = msgspec.msgpack.decode(infos_bytes, type=list[WorkerInfo])
-    serve_app(make_gateway_app(settings, infos), settings, on_ready=ports.put)
+    app = make_gateway_app(settings, infos)
+    if server == "ours":
+        serve_app(app, settings, on_ready=ports.put)
+    else:
+        _serve_uvicorn(app, free_port(), ports)
+
+
+class _AsgiExchange:
+    """Benchmark only: the `Exchange` calls the completion routes make, over an ASGI request (its body read
+    whole first). Writes become ASGI sends, awaited in order at `drain()` and when the handler returns."""
+
+    def __init__(self, scope: dict[str, Any], body: bytes, send: Any, gone: Any) -> None:
+        self.method, self.path = scope["method"].encode(), scope["path"].encode()
+        self.query, self.body, self.gone = scope["query_string"], body, gone
+        self.headers = dict(scope["headers"])
+        self.answered, self.head_only, self.status = False, False, None
+        self._send, self._sends = send, []
+
+    def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+        self.status, self.answered = status, True
+        self._sends.append(self._send({"type": "http.response.start", "status": status,
+                                       "headers": [*headers, (b"content-length", b"%d" % len(body))]}))
+        self._sends.append(self._send({"type": "http.response.body", "body": body}))
+
+    def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
+        self.status, self.answered = status, True
+        self._sends.append(self._send({"type": "http.response.start", "status": status, "headers": headers}))
+        self.write(first)
+
+    def write(self, data: bytes) -> None:
+        if data:
+            self._sends.append(self._send({"type": "http.response.body", "body": data, "more_body": True}))
+
+    def end(self, last: bytes = b"") -> None:
+        self._sends.append(self._send({"type": "http.response.body", "body": last}))
+
+    async def drain(self) -> None:
+        sends, self._sends = self._sends, []
+        for send in sends:
+            await send
+
+
+class _UvicornGateway:
+    """Benchmark only: the gateway app as one ASGI app (completion routes on their lean handler, the rest on
+    FastAPI, which also runs the lifespan), for uvicorn to serve."""
+
+    def __init__(self, gateway: Any) -> None:
+        from dynserve.gateway.completions import COMPLETION_ROUTES
+
+        self.gateway, self.routes = gateway, COMPLETION_ROUTES
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].encode() not in self.routes:
+            await self.gateway.api(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        exchange = _AsgiExchange(scope, body, send, asyncio.get_running_loop().create_future())
+        await self.gateway.completions(exchange)
+        await exchange.drain()
+
+
+def _serve_uvicorn(gateway: Any, port: int, ports: Any) -> None:
+    import threading
+
+    import uvicorn
+
+    from dynserve.gateway.server import _settle_garbage_collector
+
+    config = uvicorn.Config(_UvicornGateway(gateway), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+                            lifespan="on", log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+
+    def announce() -> None:
+        while not server.started:
+            time.sleep(0.05)
+        _settle_garbage_collector()  # as serve_app does
+        ports.put(port)
+
+    threading.Thread(target=announce, daemon=True).start()
+    server.run()
 
 
 def _start_standalone_mocker(port: int, worker_metrics: bool) -> subprocess.Popen[bytes]:
@@ -182,6 +273,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="1,000 requests at c32 and 200 at c1 (about a minute)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--server", choices=["ours", "uvicorn", "both"], default="ours",
+                        help="the HTTP server in front of the gateway app (both: one gateway process of each, "
+                        "their phases alternated) [default: ours]")
     parser.add_argument("--worker-metrics", choices=["on", "off"], default="on",
                         help="workers record and serve their Prometheus metrics (on: each one's endpoint is "
                         "scraped every 50 ms during c32, by a process of its own) [default: on]")
@@ -230,6 +324,18 @@ def _scrape_forever(urls: list[str], interval_s: float, count: Any, stop: Any) -
                 count.value += 1
 
 
+def _c32(port: int, bodies: list[bytes], pids: dict[str, int]) -> dict[str, Any]:
+    """One c32 phase against `port`, with each process's CPU per request over it."""
+    import uvloop
+
+    cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
+    result = uvloop.run(_load("127.0.0.1", port, bodies, CONCURRENCY))
+    cpu = {name: round(1000 * (_cpu_s(pid) - cpu_before[name]) / (len(bodies) + CONCURRENCY), 3)
+           for name, pid in pids.items()}
+    cpu["total"] = round(sum(cpu.values()), 3)
+    return {**result, "cpu_ms_per_request": cpu}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -242,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from dynserve.workers.mocker import launch_mocker
 
     num_c32, num_c1 = (1000, 200) if args.quick else (2000, 500)
+    servers = ["ours", "uvicorn"] if args.server == "both" else [args.server]
+    num_rounds = 3 if len(servers) > 1 else 1
     worker_metrics = args.worker_metrics == "on"
     settings = Settings(mocker="cpu", mocker_speedup=SPEEDUP, router="kv", port=0, seed=args.seed,
                         worker_metrics=worker_metrics)
@@ -250,54 +358,83 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
              runtime_env=LOCAL_RAY_ENV)
     launched = [launch_mocker(settings, f"m{i}", publish_events=True) for i in range(2)]
     infos = ray.get([ref for _, ref in launched])
-    ports: Any = multiprocessing.get_context("spawn").Queue()
-    gateway = multiprocessing.get_context("spawn").Process(
-        target=_gateway_process, daemon=True,
-        args=(settings.model_dump_json(), msgspec.msgpack.encode(infos), ray.get_runtime_context().gcs_address, ports))
-    gateway.start()
+    context = multiprocessing.get_context("spawn")
+    gateways: dict[str, Any] = {}
+    ports: dict[str, int] = {}
     direct_port = free_port()
     direct = _start_standalone_mocker(direct_port, worker_metrics)
     try:
-        port = ports.get(timeout=120)
-        log(f"2 mockers, gateway and a standalone mocker ready in {time.perf_counter() - start:.1f}s")
+        for name in servers:
+            queue: Any = context.Queue()
+            gateways[name] = context.Process(target=_gateway_process, daemon=True, args=(
+                settings.model_dump_json(), msgspec.msgpack.encode(infos), ray.get_runtime_context().gcs_address,
+                queue, name))
+            gateways[name].start()
+            ports[name] = queue.get(timeout=120)
+        log(f"2 mockers, gateway ({', '.join(servers)}) and a standalone mocker ready in "
+            f"{time.perf_counter() - start:.1f}s")
         plane = ray.get_actor(ACTOR_NAME, namespace=RAY_NAMESPACE)  # the mockers' KV events go through it
-        pids = {"gateway": gateway.pid, "client": os.getpid(),
-                **{f"mocker{i}": ray.get(h.__ray_call__.remote(lambda _self: os.getpid()))
-                   for i, (h, _) in enumerate(launched)},
-                "event_plane": ray.get(plane.__ray_call__.remote(lambda _self: os.getpid()))}
+        shared_pids = {"client": os.getpid(),
+                       **{f"mocker{i}": ray.get(h.__ray_call__.remote(lambda _self: os.getpid()))
+                          for i, (h, _) in enumerate(launched)},
+                       "event_plane": ray.get(plane.__ray_call__.remote(lambda _self: os.getpid()))}
         scrape_urls = [f"http://{i.host}:{i.metrics_port}/metrics" for i in infos if i.metrics_port is not None]
         assert len(scrape_urls) == (2 if worker_metrics else 0), infos
+        c32_rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
         with _Scraper(scrape_urls) as scraper:
-            cpu_before = {name: _cpu_s(pid) for name, pid in pids.items()}
-            c32 = uvloop.run(_load("127.0.0.1", port, _bodies(num_c32, args.seed), CONCURRENCY))
-        cpu_ms_per_request = {name: round(1000 * (_cpu_s(pid) - cpu_before[name]) / (num_c32 + CONCURRENCY), 3)
-                              for name, pid in pids.items()}
-        cpu_ms_per_request["total"] = round(sum(cpu_ms_per_request.values()), 3)
-        log(f"c32 through the gateway: {c32['req_per_s']:.0f} req/s, p50 {c32['p50_ms']:.1f} ms; "
-            f"CPU ms per request: {cpu_ms_per_request}")
-        c1_rounds: dict[str, list[dict[str, Any]]] = {"gateway": [], "direct": []}
+            for round_index in range(num_rounds):  # alternated, so drift in machine speed hits both alike
+                for name in servers:
+                    bodies = _bodies(num_c32, args.seed + 1000 * round_index)
+                    c32_rounds[name].append(_c32(ports[name], bodies,
+                                                 {"gateway": gateways[name].pid, **shared_pids}))
+                    last = c32_rounds[name][-1]
+                    log(f"c32 through the gateway ({name}): {last['req_per_s']:.0f} req/s, p50 {last['p50_ms']:.1f} "
+                        f"ms; CPU ms per request: {last['cpu_ms_per_request']}")
+        c1_rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in [*servers, "direct"]}
         for round_index in range(2):  # interleaved, so drift in machine speed hits both alike
-            for name, target in (("gateway", port), ("direct", direct_port)):
-                bodies = _bodies(num_c1 // 2, args.seed + 10 * round_index + (name == "direct"))
+            for offset, name in enumerate(c1_rounds):
+                target = direct_port if name == "direct" else ports[name]
+                bodies = _bodies(num_c1 // 2, args.seed + 10 * round_index + offset)
                 c1_rounds[name].append(uvloop.run(_load("127.0.0.1", target, bodies, 1)))
-        gw_c1 = min(r["p50_ms"] for r in c1_rounds["gateway"])
-        direct_c1 = min(r["p50_ms"] for r in c1_rounds["direct"])
-        log(f"c1: gateway p50 {gw_c1:.2f} ms, direct p50 {direct_c1:.2f} ms")
+        c1_p50 = {name: min(r["p50_ms"] for r in rounds) for name, rounds in c1_rounds.items()}
+        log(f"c1 p50 ms: {c1_p50}")
     finally:
         direct.terminate()
-        gateway.terminate()
-        gateway.join(10)
+        for process in gateways.values():
+            process.terminate()
+            process.join(10)
         direct.wait(10)
         ray.shutdown()
+    by_server = {}
+    for name, rounds in c32_rounds.items():
+        middle = sorted(rounds, key=lambda r: r["req_per_s"])[len(rounds) // 2]  # the median round
+        by_server[name] = {
+            "req_per_s_c32": middle["req_per_s"], "p50_ms_c32": middle["p50_ms"], "p90_ms_c32": middle["p90_ms"],
+            "cpu_ms_per_request_c32": middle["cpu_ms_per_request"],
+            "req_per_s_c32_rounds": [r["req_per_s"] for r in rounds],
+            "gateway_cpu_ms_per_request_c32_rounds": [r["cpu_ms_per_request"]["gateway"] for r in rounds],
+            "p50_ms_c1": c1_p50[name], "added_p50_ms_c1": c1_p50[name] - c1_p50["direct"],
+        }
+    first = by_server[servers[0]]
     result = {
         "benchmark": "frontend", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
         "machine": machine_info(), "mocker_speedup": SPEEDUP, "output_tokens": NUM_TOKENS,
-        "requests_c32": num_c32, "requests_c1": num_c1, "concurrency": CONCURRENCY,
+        "requests_c32": num_c32, "requests_c1": num_c1, "concurrency": CONCURRENCY, "server": args.server,
         "worker_metrics": worker_metrics, "worker_scrapes_c32": scraper.num_scrapes,
-        "req_per_s_c32": c32["req_per_s"], "cpu_ms_per_request_c32": cpu_ms_per_request, "p50_ms_c32": c32["p50_ms"], "p90_ms_c32": c32["p90_ms"],
-        "p50_ms_c1_gateway": gw_c1, "p50_ms_c1_direct": direct_c1, "added_p50_ms_c1": gw_c1 - direct_c1,
+        "req_per_s_c32": first["req_per_s_c32"], "cpu_ms_per_request_c32": first["cpu_ms_per_request_c32"],
+        "p50_ms_c32": first["p50_ms_c32"], "p90_ms_c32": first["p90_ms_c32"],
+        "p50_ms_c1_gateway": first["p50_ms_c1"], "p50_ms_c1_direct": c1_p50["direct"],
+        "added_p50_ms_c1": first["added_p50_ms_c1"],
         "c1_p50_ms_rounds": {k: [r["p50_ms"] for r in v] for k, v in c1_rounds.items()},
+        "by_server": by_server,
     }
+    if len(servers) > 1:
+        ours, theirs = by_server["ours"], by_server["uvicorn"]
+        result["uvicorn_over_ours"] = {
+            "req_per_s_c32": theirs["req_per_s_c32"] / ours["req_per_s_c32"],
+            "gateway_cpu_ms_per_request_c32": (theirs["cpu_ms_per_request_c32"]["gateway"]
+                                               / ours["cpu_ms_per_request_c32"]["gateway"]),
+            "p50_ms_c1": theirs["p50_ms_c1"] / ours["p50_ms_c1"]}
     write_result("frontend", result, args.output)
     return result
 

@@ -1,13 +1,15 @@
 """The one settings object. Every field can be set by an environment variable `DYN_<FIELD>` (for example
 `DYN_DTYPE=bfloat16`) and by the matching `dynctl` flag; nothing else in dynserve reads `os.environ`.
 Defaults are what a new user on a laptop needs: the bundled SmolLM2 model, fp32 on CPU, 1 GiB of KV cache.
+Secrets (`api_key`, `cluster_token`) are `SecretStr`: a repr, str or JSON dump of the settings (what a log line
+would show) masks them; `secret(name)` gives the value to the code that presents or checks it.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["DType", "Settings"]
@@ -23,7 +25,9 @@ _PLANNER: dict[str, Any] = {"group": "planner"}
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="DYN_", extra="ignore", protected_namespaces=())
+    # hide_input_in_errors: a bad secret's value must not reach a traceback or a log through its error
+    model_config = SettingsConfigDict(env_prefix="DYN_", extra="ignore", protected_namespaces=(),
+                                      hide_input_in_errors=True)
 
     # ---- engine ----
     model: str | None = Field(None, description="GGUF file or Hugging Face directory; default: bundled SmolLM2")
@@ -46,12 +50,41 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="gateway listen address", json_schema_extra=_GATEWAY)
     port: int = Field(8000, ge=0, le=65535, description="gateway listen port (0: any free port)",
                       json_schema_extra=_GATEWAY)
-    api_key: str | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes",
-                                json_schema_extra=_GATEWAY)
+    api_key: SecretStr | None = Field(None, description="require 'Authorization: Bearer <key>' on /v1 routes",
+                                      json_schema_extra=_GATEWAY)
+    metrics_require_key: bool = Field(False, description="with an api_key, /metrics and /metrics/targets require "
+                                      "it too (a Prometheus sends it: 'authorization' in its scrape config; "
+                                      "dynctl serve --prometheus does)", json_schema_extra=_GATEWAY)
     max_queue: int = Field(512, ge=1, description="requests the gateway holds at once (running and waiting); "
                            "one more gets 429", json_schema_extra=_GATEWAY)
     max_body_bytes: int = Field(8 * 2**20, ge=1024, description="largest request body; larger ones get 413",
                                 json_schema_extra=_GATEWAY)
+    # HTTP edge limits, as nginx and uvicorn bound theirs (each breach answered in OpenAI's error shape):
+    # 16 KiB of request line and headers is h11's limit under uvicorn and between nginx's 8 KiB per line and
+    # 32 KiB in all; an OpenAI client sends under 1 KiB. 100 fields is Tomcat's and Python http.client's.
+    max_header_bytes: int = Field(16 * 2**10, ge=1024, description="largest request line plus headers; larger "
+                                  "ones get 431", json_schema_extra=_GATEWAY)
+    max_headers: int = Field(100, ge=1, description="most header fields in a request; more get 431",
+                             json_schema_extra=_GATEWAY)
+    header_timeout_s: float = Field(30.0, gt=0, description="a request's line and headers must arrive within "
+                                    "this long of its first byte, and its body may pause no longer (else 408); "
+                                    "a connection that sends no request for this long is closed",
+                                    json_schema_extra=_GATEWAY)
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle keep-alive connection (no request in "
+                                        "flight) is closed after this long (uvicorn's default)",
+                                        json_schema_extra=_GATEWAY)
+    max_generation_s: float = Field(600.0, gt=0, description="the longest a completion request may generate; "
+                                    "then it ends with finish_reason 'length' and its workers free its KV "
+                                    "blocks (a request may ask for less: its max_generation_s field)",
+                                    json_schema_extra=_GATEWAY)
+    shutdown_grace_s: float = Field(20.0, ge=0, description="on SIGTERM or Ctrl-C the gateway stops accepting, "
+                                    "answers new requests 503, and gives requests in flight this long to finish "
+                                    "before cutting them (a second signal cuts them at once)",
+                                    json_schema_extra=_GATEWAY)
+    admission_ttft_ms: float | None = Field(
+        None, gt=0, description="keep the time to first token of admitted requests at this target under any load: "
+        "an adaptive number of requests may wait for their first token, the excess gets 429 with Retry-After at "
+        "once (default: off; only max_queue bounds what is admitted)", json_schema_extra=_GATEWAY)
     worker_wait_s: float = Field(0.0, ge=0, description="when no worker is ready, hold a request this long for "
                                  "one to start (a planner scaling up from zero) before answering 503; "
                                  "dynctl serve --planner: 120 unless set", json_schema_extra=_GATEWAY)
@@ -116,6 +149,8 @@ class Settings(BaseSettings):
     router_approx_max_blocks: int = Field(
         65536, ge=1, description="approximate router: blocks remembered per worker at most (oldest forgotten "
         "first)", json_schema_extra=_CLUSTER)
+    migration_limit: int = Field(3, ge=0, description="a request whose worker fails mid-stream is resubmitted "
+                                 "to another worker at most this many times (0: off)", json_schema_extra=_CLUSTER)
     redis_url: str | None = Field(None, description="event plane and registry on this Redis; default: embedded "
                                   "in Ray", json_schema_extra=_CLUSTER)
     worker_lease_s: float = Field(3.0, gt=0, description="a worker's registry lease; heartbeats every third",
@@ -123,6 +158,12 @@ class Settings(BaseSettings):
     namespace: str = Field("dynserve", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
                            description="event plane and registry namespace: a gateway routes only to the "
                            "workers registered in its own", json_schema_extra=_CLUSTER)
+    cluster_token: SecretStr | None = Field(
+        None, min_length=16, max_length=512, description="when set, every internal socket (worker channel, "
+        "embedded event plane, TCP KV transfer) serves only peers presenting it; every process of a fleet must "
+        "share it (in Kubernetes it comes from a Secret; prefer the env variable to the flag, which ps shows). "
+        "Default: none, except that dynctl serve starting its own local Ray makes a random one for its fleet",
+        json_schema_extra=_CLUSTER)
 
     # ---- worker pools (dynserve.workers.pool) ----
     pool_health_interval_s: float = Field(0.25, gt=0, description="how often a pool checks that its workers "
@@ -236,6 +277,12 @@ class Settings(BaseSettings):
     planner_profile: str | None = Field(None, description="the capacity profile (a file from dynctl profile, or "
                                         "a shipped name); default: the --mocker profile's, else 'cpu'",
                                         json_schema_extra=_PLANNER)
+
+    def secret(self, name: Literal["api_key", "cluster_token"]) -> str | None:
+        """The value of secret setting `name`, None when unset: for the code that presents or checks it, never
+        for a log line."""
+        value = getattr(self, name)
+        return None if value is None else value.get_secret_value()  # type: ignore[no-any-return]
 
     def serving_addresses(self, node_ip: str | None) -> tuple[str, str]:
         """(bind, advertise): where a process's served ports listen and the address it announces for them.

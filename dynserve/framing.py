@@ -2,6 +2,11 @@
 each message is a 4-byte big-endian length, then that many bytes of MessagePack. A frame is at most
 `MAX_FRAME_BYTES`; a longer one, or a stream that ends inside a frame, is a `ChannelError`.
 
+Admission: a stream's first frame is the client's `Hello` (`protocol.py`). A server that has the cluster's
+token serves a connection only once `accept_hello` found that token in it (compared in constant time), read
+within `HELLO_TIMEOUT_S` and at most `MAX_HELLO_BYTES` long, so a stranger can neither make it answer nor
+make it hold a large buffer; one extra frame per connection, nothing per message.
+
 Liveness: `keep_alive` sets TCP keepalive (and a user timeout for unacknowledged data) on such a stream, so a
 peer whose machine vanished without closing its connections (power, network) is noticed within
 `DEAD_PEER_S` as a connection error, not waited on forever.
@@ -10,6 +15,7 @@ peer whose machine vanished without closing its connections (power, network) is 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import socket
 import struct
 from typing import Any
@@ -17,10 +23,14 @@ from typing import Any
 import msgspec
 
 from dynserve.errors import ChannelError
+from dynserve.protocol import Hello
 
-__all__ = ["DEAD_PEER_S", "MAX_FRAME_BYTES", "encode_frame", "keep_alive", "read_frame"]
+__all__ = ["DEAD_PEER_S", "HELLO_TIMEOUT_S", "MAX_FRAME_BYTES", "MAX_HELLO_BYTES", "accept_hello", "encode_frame",
+           "keep_alive", "read_frame"]
 
 MAX_FRAME_BYTES = 64 * 2**20
+MAX_HELLO_BYTES = 1024  # a first frame, read before the peer is trusted
+HELLO_TIMEOUT_S = 5.0  # a connection that has not presented its token by then is closed
 _HEADER = struct.Struct("!I")
 _ENCODER = msgspec.msgpack.Encoder()
 
@@ -30,8 +40,9 @@ def encode_frame(message: msgspec.Struct) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
-    """The next frame's body; None on a clean end of stream. Raises ChannelError on a bad frame."""
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES) -> bytes | None:
+    """The next frame's body; None on a clean end of stream. Raises ChannelError on a bad frame or one over
+    `max_bytes`."""
     try:
         header = await reader.readexactly(_HEADER.size)
     except asyncio.IncompleteReadError as exc:
@@ -39,12 +50,34 @@ async def read_frame(reader: asyncio.StreamReader) -> bytes | None:
             return None
         raise ChannelError("connection closed inside a frame header") from exc
     (size,) = _HEADER.unpack(header)
-    if size > MAX_FRAME_BYTES:
-        raise ChannelError(f"frame of {size} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    if size > max_bytes:
+        raise ChannelError(f"frame of {size} bytes exceeds the {max_bytes}-byte limit")
     try:
         return await reader.readexactly(size)
     except asyncio.IncompleteReadError as exc:
         raise ChannelError("connection closed inside a frame") from exc
+
+
+
+_HELLO = msgspec.msgpack.Decoder(Hello)
+
+
+async def accept_hello(reader: asyncio.StreamReader, cluster_token: str | None,
+                       timeout_s: float = HELLO_TIMEOUT_S) -> bool:
+    """Read a server's first frame from a new connection: True when it is a `Hello` presenting
+    `cluster_token` (any `Hello` when the server has no token), False for a wrong or missing token, another
+    frame, garbage, a frame over `MAX_HELLO_BYTES`, or nothing within `timeout_s`. The caller closes the
+    connection on False, having answered nothing."""
+    try:
+        body = await asyncio.wait_for(read_frame(reader, MAX_HELLO_BYTES), timeout_s)
+        if body is None:
+            return False
+        hello = _HELLO.decode(body)
+    except (TimeoutError, ChannelError, OSError, msgspec.DecodeError):
+        return False
+    if cluster_token is None:
+        return True
+    return hello.token is not None and hmac.compare_digest(hello.token.encode(), cluster_token.encode())
 
 
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_PROBES = 2, 1, 3

@@ -4,7 +4,8 @@ Everything here is a `msgspec.Struct` so it travels as MessagePack between the g
 router. KV events form a tagged union; each carries its worker's sequence number (`event_id`) so a consumer
 can detect gaps and resync from a snapshot. The worker channel speaks two tagged unions: `ClientFrame`
 (gateway to worker: generate, abort, release, load, snapshot) and `WorkerFrame` (worker to gateway: batches
-of deltas, request errors, loads, snapshots).
+of deltas, request errors, loads, snapshots). Every TCP stream of ours between dynserve processes (the worker
+channel, the embedded event plane) opens with one `Hello` from the client, carrying the cluster's token.
 
 Disaggregated serving adds three types. A prefill worker runs a `GenerateRequest` with `prefill_only` up
 to its first token and answers one finished delta (`finish_reason="prefilled"`) carrying a `KVHandle`: the
@@ -27,6 +28,7 @@ __all__ = [
     "ClientFrame",
     "DeltaBatch",
     "GenerateRequest",
+    "Hello",
     "KVEvent",
     "KVHandle",
     "KVSnapshot",
@@ -170,6 +172,17 @@ class SnapshotRequest(msgspec.Struct, tag="snapshot"):
 
 
 ClientFrame = GenerateRequest | AbortRequest | ReleaseRequest | LoadRequest | SnapshotRequest
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """A client's first frame on an internal socket: the cluster's token (`Settings.cluster_token`; None when
+    the cluster has none). A server with a token serves nothing to a connection whose first frame is not a
+    `Hello` presenting it (`framing.accept_hello`). Its repr hides the token, so logging one leaks nothing."""
+
+    token: str | None = None
+
+    def __repr__(self) -> str:
+        return f"Hello(token={'<hidden>' if self.token is not None else None})"
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas"):

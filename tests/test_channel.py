@@ -11,7 +11,7 @@ import pytest
 import uvloop
 
 from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
-from dynserve.framing import MAX_FRAME_BYTES, read_frame
+from dynserve.framing import MAX_FRAME_BYTES, accept_hello, read_frame
 from dynserve.protocol import GenerateRequest, SamplingParams, TokenDelta, TokenLogprob, WorkerInfo
 from dynserve.workers.channel import FrameWriter, WorkerConnection, merge_deltas
 
@@ -44,8 +44,14 @@ def test_oversized_or_truncated_frames_are_channel_errors() -> None:
 
 
 async def _connect_to_stand_in(handler: Any) -> tuple[asyncio.Server, WorkerConnection]:
-    """A server running `handler` for each connection (a stand-in peer, not a worker), and a channel to it."""
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    """A server running `handler` for each connection (a stand-in peer, not a worker) once the client's hello
+    has come, as a worker does, and a channel to it."""
+
+    async def admit(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert await accept_hello(reader, None)
+        await handler(reader, writer)
+
+    server = await asyncio.start_server(admit, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     info = WorkerInfo(worker_id="peer", role="both", host="127.0.0.1", port=port, model_id="m",
                       max_model_len=64, block_size=16, num_blocks=4)

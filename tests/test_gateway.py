@@ -311,7 +311,13 @@ def test_disconnect_frees_the_workers_blocks_within_1s(gateway: Any, worker: Any
         # on clean clones (of about eight) read 0 here once: ask again for up to 2 s, and name what was seen
         deadline_s = time.monotonic() + 2.0
         while (used := _blocks_used(worker)) <= baseline:
-            assert time.monotonic() < deadline_s, (baseline, used, lines)
+            if time.monotonic() >= deadline_s:
+                import ray
+
+                members = {w: (c.info.host, c.info.port, c.num_open_streams)
+                           for w, c in gateway.app.state.workers.connections.items()}
+                raise AssertionError(f"blocks {baseline} -> {used}; worker load {ray.get(worker[0].load.remote())}; "
+                                     f"worker info {worker[1]}; gateway members {members}; lines {lines}")
             time.sleep(0.05)
     dropped_s = time.monotonic()
     while _blocks_used(worker) != baseline:

@@ -35,6 +35,7 @@ DISAGG = {
                          "nodeSelector": {"gpu": "h100"},
                          "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}},
     "gateway": {"serviceType": "LoadBalancer", "apiKeySecret": {"name": "dynserve-key"}},
+    "clusterTokenSecret": {"name": "smol-cluster"},
     "router": {"mode": "kv", "overlapWeight": 4},
     "eventPlane": {"backend": "redis"},
     "planner": {"enabled": True, "ttftMs": 400, "itlMs": 40},
@@ -143,6 +144,10 @@ def test_disaggregated_children_carry_the_spec_to_the_pods() -> None:
     assert head["serviceAccountName"] == "smol-head"
     assert {"name": "DYN_API_KEY", "valueFrom": {"secretKeyRef": {"name": "dynserve-key", "key": "api-key"}}} in \
         head["containers"][0]["env"]
+    for deployment in ("smol-head", "smol-decode", "smol-prefill"):  # every pod of the fleet has the token
+        env = _by(children, "Deployment", deployment)["spec"]["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "DYN_CLUSTER_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": "smol-cluster", "key": "token"}}} in env
     assert _by(children, "Service", "smol")["spec"]["type"] == "LoadBalancer"
     role = _by(children, "Role", "smol-planner")
     assert {"apiGroups": ["dynserve.io"], "resources": ["dynservepools/scale"],

@@ -4,10 +4,10 @@ the fleet they make must serve through the official `openai` client. A chart or 
 would not serve fails here.
 
 What stands in for Kubernetes, and only that: each pod is a host (its own address on 198.18.0.0/24, its own
-`/tmp`); the pod's environment is built as the kubelet builds it (the ConfigMap's data, then the container's
-`env` with `$(VAR)` references expanded and `status.podIP` from the downward API); the Services' DNS names
-resolve through the hosts' own `/etc/hosts`; a pool scaled up is one more pod started, scaled down one pod
-gone. The commands, arguments and variables are the built manifests', unchanged.
+`/tmp/ray`); the pod's environment is built as the kubelet builds it (the ConfigMap's data, then the container's
+`env` with `$(VAR)` references expanded, `status.podIP` from the downward API, Secrets' keys from `SECRETS`);
+the Services' DNS names resolve through the hosts' own `/etc/hosts`; a pool scaled up is one more pod
+started, scaled down one pod gone. The commands, arguments and variables are the built manifests', unchanged.
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ from dynserve.operator.spec import parse_deployment
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
 
 NAME, NAMESPACE = "smol", "ml"
+RAY_DIR = Path("/tmp/ray")  # where `ray start` keeps its session by default
 MODEL = "SmolLM2-135M-Instruct"
 VENV_BIN = str(Path(sys.executable).parent)
+SECRETS = {("smol-cluster", "token"): "pods-test-cluster-token-0123456789"}  # the Secrets the pods read
 SPEC = {
     "gateway": {"replicas": 2},  # the head's gateway and one gateway-only pod
+    "clusterTokenSecret": {"name": "smol-cluster"},  # every internal socket requires it
     "pools": {"prefill": {"replicas": 1}, "decode": {"replicas": 1, "maxReplicas": 4}},
     "engine": {"mocker": "cpu", "mockerSpeedup": 10},
     # every prompt is prefilled remotely, so both pools serve each request
@@ -65,6 +68,9 @@ def pod_environment(children: list[dict[str, Any]], deployment: dict[str, Any], 
             env[var["name"]] = _expand(var["value"], env)
         elif var["valueFrom"].get("fieldRef", {}).get("fieldPath") == "status.podIP":
             env[var["name"]] = pod_ip
+        elif "secretKeyRef" in var["valueFrom"]:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = SECRETS[(ref["name"], ref["key"])]
         else:
             raise AssertionError(f"the test cannot stand in for {var}")
     return env
@@ -86,7 +92,9 @@ class Pods:
 
     def start(self, deployment_name: str, host: Host) -> None:
         host.run(["mount", "--bind", str(self.etc_hosts), "/etc/hosts"])
-        host.run(["mount", "-t", "tmpfs", "tmpfs", "/tmp"])
+        # Ray's session directory, the pod's own (not all of /tmp: the checkout under test may live there)
+        RAY_DIR.mkdir(exist_ok=True)
+        host.run(["mount", "-t", "tmpfs", "tmpfs", str(RAY_DIR)])
         deployment = self.deployments[deployment_name]
         command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
         with (self.log_dir / f"{host.name}-{deployment_name}.log").open("wb") as log:  # the child keeps its copy

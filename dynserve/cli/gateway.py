@@ -41,7 +41,8 @@ async def _gateway(settings: Settings, tokenizer: Any) -> None:
     from dynserve.events.ray_plane import connect_event_plane
     from dynserve.gateway.server import make_gateway_app, serve_app_async
 
-    registry = connect_event_plane(settings.redis_url, settings.namespace)
+    registry = connect_event_plane(settings.redis_url, settings.namespace,
+                                   cluster_token=settings.secret("cluster_token"))
     try:
         print("waiting for the fleet's first worker to register...", file=sys.stderr, flush=True)
         while not (infos := await registry.workers()):

@@ -9,6 +9,10 @@ gateway that follows the pool through the worker registry), shows progress while
 model, prints where to send requests (and, with `--prometheus`, the URL of a Prometheus it runs that
 scrapes the fleet: `observability/prometheus.py`), and on Ctrl-C (or SIGTERM) stops the gateway, the
 Prometheus, the workers and the Ray instance it started, in that order.
+
+Starting its own local Ray without a `cluster_token`, it makes a random one for the fleet it starts (the
+workers, their event plane and the gateway get it with the settings), so even a laptop's internal sockets
+serve only that fleet; a fleet joining `--ray-address` uses the token it is given, if any.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -23,7 +28,7 @@ from typing import Any
 from dynserve.config import Settings
 from dynserve.errors import ModelLoadError
 
-__all__ = ["serve", "start_ray"]
+__all__ = ["serve", "start_ray", "with_fleet_token"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +135,7 @@ def serve(settings: Settings) -> int:
 
         settings = planner_settings(settings)
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
+    settings = with_fleet_token(settings)
     started_ray = start_ray(settings)
     try:
         uvloop.run(_serve(settings, tokenizer))
@@ -140,6 +146,16 @@ def serve(settings: Settings) -> int:
             import ray
 
             ray.shutdown()
+
+
+def with_fleet_token(settings: Settings) -> Settings:
+    """`settings` with a random `cluster_token` when this command starts its own Ray and none was given: the
+    fleet it starts shares it (through these settings), and nothing else on the host can use its sockets."""
+    if settings.ray_address is not None or settings.cluster_token is not None:
+        return settings
+    from pydantic import SecretStr
+
+    return settings.model_copy(update={"cluster_token": SecretStr(secrets.token_urlsafe(32))})
 
 
 def _disaggregated(settings: Settings) -> bool:
@@ -234,7 +250,9 @@ async def _start_prometheus(settings: Settings, port: int, started: list[Any]) -
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(settings.host, settings.host)  # this machine's loopback
     if ":" in host:
         host = f"[{host}]"
-    server = PrometheusServer(f"http://{host}:{port}/metrics/targets", scrape_interval_s=settings.scrape_interval_s)
+    key = settings.secret("api_key") if settings.metrics_require_key else None  # the gateway's /metrics asks for it
+    server = PrometheusServer(f"http://{host}:{port}/metrics/targets", scrape_interval_s=settings.scrape_interval_s,
+                              bearer_token=key)
     started.append(server)
     try:
         server.launch()  # on this (the main) thread: the process ends with it, however this one ends

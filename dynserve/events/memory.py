@@ -36,6 +36,8 @@ class MemoryEventPlane(EventPlane):
     async def read(self, cursor: str, *, max_batches: int = 1000,
                    block_s: float = 1.0) -> tuple[list[EventBatch], str]:
         after = self._next_seq - 1 if cursor == "$" else int(cursor)
+        if after >= self._next_seq:  # a cursor of an earlier plane (this one was started again): from the start
+            after = 0
         if not self._log or self._log[-1][0] <= after:
             try:
                 await asyncio.wait_for(self._changed.wait(), block_s)

@@ -8,14 +8,18 @@ and KV events of its own namespace.
 
 The actor is detached, in Ray namespace `dynserve`: it belongs to the cluster, not to whichever worker or
 gateway happened to create it, so it outlives any of them (a killed worker must not take the registry down
-with it) and every job on the cluster finds the same one. It ends with the cluster.
+with it) and every job on the cluster finds the same one. It ends with the cluster. If its process dies, Ray
+starts it again, empty: workers register again at their next heartbeat, and routers, whose cursors are then
+past the new stream's end, read it from its start and resync each worker from the gap in its numbering.
 
 Ray finds the actor; the events do not travel as Ray calls. The actor serves the plane on a TCP socket of
 its node (length-prefixed MessagePack frames, as the worker channel uses), and each client holds one
 connection to it, on which calls are numbered so that a blocking read does not hold up a publish. A Ray
 actor call costs the actor about 1 ms of CPU, which every publish and every read would pay; a frame costs
-it tens of microseconds. The socket, like the worker channel's, is not authenticated: the cluster's
-network must be private.
+it tens of microseconds. Each connection opens with the client's `Hello`: the actor keeps the cluster token
+its creator gave it (`Settings.cluster_token`) and, when it has one, closes without an answer every
+connection that does not present it (`framing.accept_hello`). The first client of a namespace creates the
+actor, so every process of a fleet must share the token; a new token needs a new actor (a new cluster).
 
 Calls other than reads are answered in the order they arrive on a connection, so one worker's publishes
 keep their order; reads wait in their own tasks."""
@@ -36,8 +40,8 @@ from dynserve.config import Settings
 from dynserve.errors import ChannelError
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.events.memory import MemoryEventPlane
-from dynserve.framing import encode_frame, keep_alive, read_frame
-from dynserve.protocol import KVEvent, WorkerInfo
+from dynserve.framing import accept_hello, encode_frame, keep_alive, read_frame
+from dynserve.protocol import Hello, KVEvent, WorkerInfo
 
 __all__ = ["ACTOR_NAME", "DEFAULT_NAMESPACE", "EventPlaneActor", "RayEventPlane", "connect_event_plane"]
 
@@ -79,10 +83,12 @@ _NIL = msgspec.Raw(_ENCODER.encode(None))
 
 class EventPlaneActor:
     """A `MemoryEventPlane` served on a TCP socket of the actor's node; `address()` starts the server (once)
-    and says where it listens. Every `EventPlane` method is a call on that socket."""
+    and says where it listens. Every `EventPlane` method is a call on that socket, from clients that presented
+    `cluster_token` first (any client when None)."""
 
-    def __init__(self, max_len: int = 100_000) -> None:
+    def __init__(self, max_len: int = 100_000, cluster_token: str | None = None) -> None:
         self._plane = MemoryEventPlane(max_len=max_len)
+        self._cluster_token = cluster_token
         self._address: tuple[str, int] | None = None
         self._starting: asyncio.Lock | None = None
         self._server: asyncio.Server | None = None
@@ -101,6 +107,12 @@ class EventPlaneActor:
         return self._address
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not await accept_hello(reader, self._cluster_token):
+            peer = writer.get_extra_info("peername")
+            logger.warning("refused an event-plane connection from %s (no hello with the cluster token)",
+                           peer[0] if peer else "an unknown address")
+            writer.close()
+            return
         reads: set[asyncio.Task[None]] = set()
         try:
             while (body := await read_frame(reader)) is not None:
@@ -161,11 +173,12 @@ class _PlaneConnection:
         self._replies = asyncio.create_task(self._read_replies(reader), name="event-plane-replies")
 
     @classmethod
-    async def open(cls, handle: Any) -> _PlaneConnection:
+    async def open(cls, handle: Any, cluster_token: str | None) -> _PlaneConnection:
         try:
-            host, port = await handle.address.remote()
+            host, port = await asyncio.wait_for(handle.address.remote(), 10.0)
             reader, writer = await asyncio.open_connection(host, port)
             keep_alive(writer.get_extra_info("socket"))
+            writer.write(encode_frame(Hello(cluster_token)))  # the first frame: without it nothing is served
         except Exception as exc:  # a dead actor (Ray's errors) or a refused connection
             raise ConnectionError(f"the embedded event plane is unreachable: {exc}") from exc
         return cls(reader, writer)
@@ -182,10 +195,13 @@ class _PlaneConnection:
             self._pending.pop(call_id, None)
 
     async def _read_replies(self, reader: asyncio.StreamReader) -> None:
-        error = ConnectionError("the event plane closed the connection")
+        error = ConnectionError("the event plane closed the connection (refused: a different cluster token?)")
+        answered = False
         try:
             while (body := await read_frame(reader)) is not None:
                 reply = _REPLIES.decode(body)
+                if not answered:
+                    answered, error = True, ConnectionError("the event plane closed the connection")
                 waiter = self._pending.pop(reply.call_id, None)
                 if waiter is None or waiter.done():  # its caller was cancelled
                     continue
@@ -194,7 +210,10 @@ class _PlaneConnection:
                 else:
                     waiter.set_result(bytes(reply.result))
         except (OSError, ChannelError, msgspec.DecodeError) as exc:
-            error = ConnectionError(f"the event plane connection failed: {exc}")
+            # a reset before any answer is the actor refusing the hello (its close races our unread call)
+            what = "closed the connection (refused: a different cluster token?)" if not answered else (
+                "connection failed")
+            error = ConnectionError(f"the event plane {what}: {exc}")
         finally:
             self.is_open = False
             for waiter in self._pending.values():
@@ -216,8 +235,10 @@ class RayEventPlane(EventPlane):
     after it drops."""
 
     def __init__(self, handle: Any | None = None, *, namespace: str = DEFAULT_NAMESPACE,
-                 max_len: int = 100_000) -> None:
-        """`max_len`: the batches the actor keeps, when this call creates it."""
+                 max_len: int = 100_000, cluster_token: str | None = None) -> None:
+        """`max_len`: the batches the actor keeps, when this call creates it. `cluster_token`: presented on
+        every connection, and required of every client by the actor this call creates (an actor already
+        there keeps the token it was created with)."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -228,7 +249,11 @@ class RayEventPlane(EventPlane):
         self._handle = handle or ray.remote(EventPlaneActor).options(
             name=name, namespace=RAY_NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
             max_concurrency=1000, scheduling_strategy=here,
-        ).remote(max_len=max_len)
+            # a process that dies is started again (empty: workers register again at their next heartbeat,
+            # routers resync from the gaps); clients find its new socket through `address()`
+            max_restarts=-1,
+        ).remote(max_len=max_len, cluster_token=cluster_token)
+        self._cluster_token = cluster_token
         # by loop: a connection's reader task and futures belong to the loop that opened it
         self._connections: dict[asyncio.AbstractEventLoop, _PlaneConnection] = {}
         self._opening: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
@@ -245,7 +270,8 @@ class RayEventPlane(EventPlane):
             async with opening:
                 connection = self._connections.get(loop)
                 if connection is None or not connection.is_open:
-                    connection = self._connections[loop] = await _PlaneConnection.open(self._handle)
+                    connection = self._connections[loop] = await _PlaneConnection.open(self._handle,
+                                                                                       self._cluster_token)
         return await connection.call(method, *args)
 
     async def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
@@ -281,11 +307,12 @@ class RayEventPlane(EventPlane):
 
 
 
-def connect_event_plane(redis_url: str | None, namespace: str = DEFAULT_NAMESPACE) -> EventPlane:
-    """`namespace`'s plane: on Redis when `redis_url` is given, else embedded in Ray (which must be
-    initialized)."""
+def connect_event_plane(redis_url: str | None, namespace: str = DEFAULT_NAMESPACE, *,
+                        cluster_token: str | None = None) -> EventPlane:
+    """`namespace`'s plane: on Redis when `redis_url` is given (Redis checks its own credentials, from the
+    URL), else embedded in Ray (which must be initialized), reached with `cluster_token`."""
     if redis_url:
         from dynserve.events.redis_plane import RedisEventPlane
 
         return RedisEventPlane(redis_url, prefix=namespace)
-    return RayEventPlane(namespace=namespace)
+    return RayEventPlane(namespace=namespace, cluster_token=cluster_token)

@@ -9,6 +9,7 @@ completion routes too, from the same pydantic schemas that validate them.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -19,11 +20,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import dynserve
 from dynserve.config import Settings
+from dynserve.gateway.admission import Admission
 from dynserve.gateway.backend import WorkerSet
 from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes, GatewayState
 from dynserve.gateway.errors import ApiError, install_error_handlers
 from dynserve.gateway.http import AsgiHandler, Exchange
-from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from dynserve.gateway.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+)
 from dynserve.model.tokenizer import Tokenizer
 
 __all__ = ["Gateway", "build_app", "scrape_targets"]
@@ -51,6 +59,9 @@ class Gateway:
 def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> Gateway:
     """The gateway app; its lifespan connects to `workers` and starts polling their loads."""
     state = GatewayState(settings, workers, tokenizer)
+    if settings.admission_ttft_ms is not None:
+        state.admission = Admission(settings.admission_ttft_ms / 1000, max_limit=float(settings.max_queue),
+                                    initial_limit=min(16.0, float(settings.max_queue)), clock=time.monotonic)
     sets = [workers] if workers.prefill is None else [workers, workers.prefill]
     _observe_workers(state, workers, sets)
     api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, workers, sets),
@@ -69,6 +80,10 @@ def _observe_workers(state: GatewayState, workers: WorkerSet, sets: list[WorkerS
         worker_set._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
         worker_set._on_leave = lambda info: state.metrics.forget_worker(info.worker_id, info.role)
         worker_set._on_retry = state.metrics.retries.inc
+        worker_set._on_migration = lambda reason: state.metrics.migrations.labels(reason).inc()
+        worker_set.migration_limit = state.settings.migration_limit
+        worker_set.registry_grace_s = state.settings.worker_lease_s
+        worker_set.cluster_token = state.settings.secret("cluster_token")
     if workers.prefill is not None:
         state.metrics.expect_disaggregation()
     workers._on_disagg = lambda path: state.metrics.disagg_requests.labels(path).inc()
@@ -97,7 +112,8 @@ def _lifespan(settings: Settings, workers: WorkerSet, sets: list[WorkerSet]
             if worker_set.router is not None and worker_set.router.mode == "kv":
                 from dynserve.events.ray_plane import connect_event_plane
 
-                planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace))
+                planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace,
+                                                           cluster_token=settings.secret("cluster_token")))
                 consumers.append(asyncio.create_task(worker_set.router.consume(plane, workers.snapshot),
                                                      name="kv-events"))
         try:
@@ -113,7 +129,12 @@ def _lifespan(settings: Settings, workers: WorkerSet, sets: list[WorkerSet]
 
 
 def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet, sets: list[WorkerSet]) -> None:
-    """Liveness, readiness, metrics and the fleet's scrape targets (no API key)."""
+    """Liveness, readiness, metrics and the fleet's scrape targets; no API key, but for the metrics routes
+    when `metrics_require_key` is set (and a key is configured)."""
+
+    async def check_metrics_key(request: Request) -> None:
+        if state.settings.metrics_require_key:
+            state.check_api_key(request.headers.get("authorization"))
 
     @api.get("/health", tags=["ops"], summary="the process is alive")
     async def health() -> dict[str, str]:
@@ -126,12 +147,12 @@ def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet, sets:
         return {"status": "ready", "model": state.model_id,
                 "workers": sorted(wid for wid, c in workers.connections.items() if c.is_open)}
 
-    @api.get("/metrics", tags=["ops"], summary="Prometheus metrics")
+    @api.get("/metrics", dependencies=[Depends(check_metrics_key)], tags=["ops"], summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @api.get("/metrics/targets", tags=["ops"], summary="Prometheus HTTP service discovery: this gateway and its "
-             "workers' metrics endpoints")
+    @api.get("/metrics/targets", dependencies=[Depends(check_metrics_key)], tags=["ops"],
+             summary="Prometheus HTTP service discovery: this gateway and its workers' metrics endpoints")
     async def metrics_targets(request: Request) -> list[dict[str, Any]]:
         return scrape_targets(request.headers.get("host", f"{state.settings.host}:{state.settings.port}"), sets)
 
@@ -172,31 +193,53 @@ def _model_card(state: GatewayState) -> dict[str, Any]:
             "max_model_len": state.workers.max_model_len}
 
 
+# one event of a completion stream (OpenAPI before 3.2 describes a stream's events, one at a time)
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {
+    "type": "string", "description": "a chunk as JSON (`chat.completion.chunk` or `text_completion`; the usage "
+    "chunk has empty `choices`), an `{\"error\": ...}` object if the stream fails after it began, and `[DONE]` "
+    "last"}}}
+
+
 def _openapi_with_completions(api: FastAPI) -> dict[str, Any]:
-    """FastAPI's document plus the completion routes, described from their request schemas."""
+    """FastAPI's document plus the completion routes, described from their request and response schemas,
+    with every status they answer (the HTTP server's own 408, 413 and 431 included)."""
     if api.openapi_schema is not None:
         return api.openapi_schema
     from fastapi.openapi.utils import get_openapi
 
     document = get_openapi(title=api.title, version=api.version, description=api.description, routes=api.routes)
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
-    for path, model, summary in (
-        ("/v1/chat/completions", ChatCompletionRequest, "Create a chat completion (stream with SSE)"),
-        ("/v1/completions", CompletionRequest, "Create a text completion (stream with SSE)"),
-    ):
+
+    def ref(model: type[Any]) -> dict[str, str]:
         schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schema.pop("$defs", {}))
         schemas[model.__name__] = schema
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"content": {"application/json": {"schema": ref(ErrorResponse)}}}
+    for path, request, response, summary in (
+        ("/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse,
+         "Create a chat completion (stream with SSE)"),
+        ("/v1/completions", CompletionRequest, CompletionResponse, "Create a text completion (stream with SSE)"),
+    ):
         document["paths"][path] = {"post": {
             "tags": ["openai"], "summary": summary,
-            "requestBody": {"required": True, "content": {"application/json": {
-                "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
             "responses": {
-                "200": {"description": "the completion (JSON), or a text/event-stream of chunks ending with "
-                                       "`data: [DONE]` when `stream` is true"},
-                "400": {"description": "invalid parameter"}, "401": {"description": "bad API key"},
-                "404": {"description": "unknown model"}, "413": {"description": "body too large"},
-                "429": {"description": "request queue full"}, "503": {"description": "no worker ready"},
+                "200": {"description": "the completion (JSON), or with `stream` a text/event-stream of `data:` "
+                                       "chunks ending with `data: [DONE]`",
+                        "content": {"application/json": {"schema": ref(response)},
+                                    "text/event-stream": {"schema": _SSE_EVENT}}},
+                "400": {"description": "invalid parameter, malformed JSON or HTTP", **error},
+                "401": {"description": "missing or wrong API key", **error},
+                "404": {"description": "unknown model", **error},
+                "408": {"description": "the request did not arrive in time (header_timeout_s)", **error},
+                "413": {"description": "body over max_body_bytes", **error},
+                "429": {"description": "max_queue requests already in flight (Retry-After)", **error},
+                "431": {"description": "request line and headers over max_header_bytes, or more than "
+                                       "max_headers fields", **error},
+                "503": {"description": "no worker is ready or every worker failed the request, or the server "
+                                       "is shutting down (Retry-After)", **error},
             },
         }}
     api.openapi_schema = document

@@ -5,7 +5,8 @@ Membership. With a `registry` (the event plane's, `EventPlane.workers()`), the r
 truth: every `registry_interval_s` the set is brought in line with the workers it lists
 (`membership_changes`), so workers a pool adds become routable, and workers that leave it (drained ones
 deregister themselves, the pool deregisters dead ones, a lease that is not renewed runs out) stop getting
-requests. Without one, the
+requests (except when several vanish at once, channels up: a registry that restarted lists nobody until the
+workers' next heartbeats, so those leave only if still missing after `registry_grace_s`). Without one, the
 workers given at construction are the members for good. Either way the channel is the fastest signal of
 death: a worker whose connection drops is left out of picking at once, reconnected on the next load poll if
 it still answers, and forgotten by the router.
@@ -16,7 +17,9 @@ response; it gets no new request.
 `WorkerSet.generate` picks a worker (the router's choice, else least loaded: its reported running + waiting
 requests plus what this gateway has sent it since), streams the request from it, and, when the worker fails
 before the first token reaches the client, retries on another worker, so a dead or draining worker costs a
-retry, not a request.
+retry, not a request. When it fails mid-stream (its channel drops, or it cuts the request), the request
+migrates: another worker continues it from the prompt plus the tokens already sent, and the client's stream
+goes on with no gap and no repeat, its usage counted over both (at most `migration_limit` times).
 
 Disaggregated serving: a set of decode workers (`roles={"decode"}`) holds a second set, its prefill workers
 (`prefill=`), each with its own router over the same registry. `generate` then decides where the prompt is
@@ -118,6 +121,11 @@ class WorkerSet:
         self._poll_interval_s, self._registry_interval_s = poll_interval_s, registry_interval_s
         self._on_load, self._on_down, self._on_retry = on_load, on_down, on_retry
         self._on_leave: Callable[[WorkerInfo], None] | None = None  # a member left the set (its series go)
+        self._on_migration: Callable[[str], None] | None = None  # a request moved mid-stream (the reason)
+        self.migration_limit = 3  # migrations of one request at most (Settings.migration_limit)
+        self.registry_grace_s = 3.0  # a member missing from the registry leaves after this (Settings.worker_lease_s)
+        self._missing_since: dict[str, float] = {}
+        self.cluster_token: str | None = None  # presented to every worker on connecting (Settings.cluster_token)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -279,36 +287,85 @@ class WorkerSet:
     async def _generate_here(self, request: GenerateRequest,
                              first: WorkerConnection | None = None) -> AsyncIterator[TokenDelta]:
         """Stream `request` from one of this set's workers (`first` if given), retrying elsewhere until its
-        first delta arrives."""
+        first delta arrives, and migrating it when its worker fails mid-stream (see `_migration`)."""
         tried: set[str] = set()
+        sent: list[int] = []  # the tokens the client has had, over every worker the request ran on
+        num_migrations, current = 0, request
+        num_cached: int | None = None
         while True:
-            connection, first = first or self.pick(tried, request.token_ids), None
+            connection, first = first or self.pick(tried, current.token_ids), None
             if connection is None:
                 raise WorkerUnavailableError(
                     f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
                 )
-            started = False
+            started, base = False, len(sent) if current is not request else 0
             self.num_routed[connection.worker_id] += 1
             if self.router is not None:
                 block_size = connection.info.block_size
                 self.router.routed(request.request_id, connection.worker_id,
-                                   (len(request.token_ids) + request.params.max_tokens) // block_size + 1)
+                                   (len(current.token_ids) + current.params.max_tokens) // block_size + 1)
+            reason: str | None = None
             try:
-                async for delta in connection.generate(request):
-                    started = True
-                    yield delta
-                return
+                async with contextlib.aclosing(connection.generate(current)) as stream:
+                    async for delta in stream:
+                        started = True
+                        if current is not request:  # a continuation: its usage as the client's request sees it
+                            delta = msgspec.structs.replace(
+                                delta, num_prompt_tokens=len(request.token_ids), num_cached_tokens=num_cached or 0,
+                                num_output_tokens=base + delta.num_output_tokens)
+                        elif num_cached is None:
+                            num_cached = delta.num_cached_tokens
+                        if (delta.finish_reason == "abort" and not request.prefill_only
+                                and num_migrations < self.migration_limit):
+                            # the worker cut it (its drain ran out of time): the client did not ask for that
+                            reason = "worker_aborted"
+                            delta = msgspec.structs.replace(delta, finished=False, finish_reason=None)
+                        sent.extend(delta.token_ids)
+                        if delta.token_ids or reason is None:
+                            yield delta
+                        if reason is not None:
+                            break
+                if reason is None:
+                    return
             except WorkerUnavailableError as exc:
-                if started:
+                if not started:
+                    tried.add(connection.worker_id)
+                    logger.warning("request %s: worker %s failed before its first token (%s); retrying",
+                                   request.request_id, connection.worker_id, exc)
+                    if self._on_retry is not None:
+                        self._on_retry()
+                    continue
+                if request.prefill_only or num_migrations >= self.migration_limit:
                     raise
-                tried.add(connection.worker_id)
-                logger.warning("request %s: worker %s failed before its first token (%s); retrying",
-                               request.request_id, connection.worker_id, exc)
-                if self._on_retry is not None:
-                    self._on_retry()
+                reason = "worker_failed"
             finally:
                 if self.router is not None:
                     self.router.finished(request.request_id)
+            num_migrations += 1
+            tried = {connection.worker_id}
+            current = self._migration(request, sent, connection.worker_id, reason)
+            if current is None:  # it had every token already: only the end was lost
+                yield TokenDelta(request_id=request.request_id, token_ids=[], finished=True, finish_reason="length",
+                                 num_prompt_tokens=len(request.token_ids), num_cached_tokens=num_cached or 0,
+                                 num_output_tokens=len(sent))
+                return
+
+    def _migration(self, request: GenerateRequest, sent: list[int], worker_id: str,
+                   reason: str) -> GenerateRequest | None:
+        """The request that continues `request` elsewhere after its worker failed mid-stream: its prompt and
+        the tokens already sent as the new prompt, the tokens left to generate as its budget, no remote
+        prefill (the new worker prefills it; its prefix cache may hold part of it). None when nothing is left.
+        A greedy request continues exactly as it would have; sampled ones continue from the same text. Text a
+        worker held back (half a UTF-8 character, a possible start of a stop string) is not recovered."""
+        left = request.params.max_tokens - len(sent)
+        logger.warning("request %s: worker %s %s after %d tokens; migrating it (%d tokens left)",
+                       request.request_id, worker_id, reason.replace("_", " "), len(sent), left)
+        if self._on_migration is not None:
+            self._on_migration(reason)
+        if left <= 0:
+            return None
+        return msgspec.structs.replace(request, token_ids=[*request.token_ids, *sent], remote_prefill=None,
+                                       params=msgspec.structs.replace(request.params, max_tokens=left))
 
     # ---- membership ------------------------------------------------------------------------------------
 
@@ -324,8 +381,22 @@ class WorkerSet:
         if self.roles is not None:
             listed = [info for info in listed if info.role in self.roles]
         added, removed = membership_changes({w: c.info for w, c in self.connections.items()}, listed)
+        listed_ids, now_s = {info.worker_id for info in listed}, time.monotonic()
+        missing = [w for w in removed if w not in listed_ids and self.connections[w].is_open]
+        # A registry that restarted (Redis, the embedded plane) lists nobody until the workers' next heartbeats,
+        # and that must not empty the set: when several members (or all) vanish from the listing at once while
+        # their channels are up, they leave only if still missing after `registry_grace_s`. One that vanishes
+        # alone (it drained, its lease ran out), is listed anew (restarted under its id) or is down leaves now.
+        mass = len(missing) > 1 or (missing and len(missing) == len(self.connections))
         for worker_id in removed:
-            self._leave(worker_id)
+            if not mass or worker_id not in missing:
+                self._leave(worker_id)
+                continue
+            since_s = self._missing_since.setdefault(worker_id, now_s)
+            if now_s - since_s >= self.registry_grace_s:
+                self._leave(worker_id)
+        self._missing_since = {w: t for w, t in self._missing_since.items()
+                               if w in self.connections and w not in listed_ids}
         joined = [self._join(info) for info in added]
         await asyncio.gather(*(self._poll(c) for c in joined))
 
@@ -384,7 +455,7 @@ class WorkerSet:
 
     async def _connect(self, connection: WorkerConnection) -> bool:
         try:
-            await connection.connect(timeout_s=2.0)
+            await connection.connect(timeout_s=2.0, cluster_token=self.cluster_token)
             return True
         except WorkerUnavailableError as exc:
             logger.debug("worker %s unreachable: %s", connection.worker_id, exc)

@@ -8,7 +8,10 @@ health, metrics, OpenAPI) stays on FastAPI.
 
 A request's choices run as one `_Run`: fan-out over prompts and `n`, merged deltas, metrics, and the
 admission slot released exactly once. When the client disconnects, the server cancels the handler, which
-closes the run and so aborts every choice on its worker at once.
+closes the run and so aborts every choice on its worker at once. A run that reaches its generation cap
+(`Settings.max_generation_s`, or less when the request's `max_generation_s` asks) is closed the same way,
+and its unfinished choices end with finish_reason "length": the answer so far stands, truncated by a limit
+as by `max_tokens`, and the workers free its KV blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pydantic
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 from dynserve.gateway.backend import WorkerSet
+from dynserve.gateway.admission import Admission
 from dynserve.gateway.errors import ApiError, validation_error
 from dynserve.gateway.http import Exchange
 from dynserve.gateway.metrics import GatewayMetrics, observe_many
@@ -61,13 +65,16 @@ class GatewayState:
     # called when a request starts waiting for a worker (`Settings.worker_wait_s`): a planner's wake-up
     on_waiting_for_worker: Callable[[], None] | None = None
     num_waiting_for_worker: int = 0
+    admission: Admission | None = None  # with Settings.admission_ttft_ms: the TTFT-keeping admission limit
 
     @property
     def model_id(self) -> str:
         return self.workers.model_id
 
     def check_api_key(self, authorization: str | None) -> None:
-        key = self.settings.api_key
+        """Raise ApiError 401 unless `authorization` is 'Bearer <api_key>' (compared in constant time) or no
+        key is configured."""
+        key = self.settings.secret("api_key")
         if key is None:
             return
         scheme, _, given = (authorization or "").partition(" ")
@@ -161,6 +168,10 @@ class CompletionRoutes:
         else:
             prepared = prepare_completion(request, state.tokenizer, max_len)
         state.admit()
+        if state.admission is not None and not state.admission.try_admit():
+            state.metrics.rejected.labels("overloaded").inc()
+            raise ApiError(429, "the server is at capacity for its time-to-first-token target; retry shortly",
+                           type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         return _Run.create(state, kind, request, prepared), request.stream
 
     async def _send_stream(self, run: _Run, exchange: Exchange) -> None:
@@ -222,11 +233,17 @@ class _Run:
         state.num_inflight += 1
         state.metrics.inflight.inc()
         state.metrics.child(state.metrics.admitted, _ENDPOINTS[kind]).inc()
-        return cls(state, kind, requests, builder)
+        limit_s = state.settings.max_generation_s
+        if body.max_generation_s is not None:
+            limit_s = min(limit_s, body.max_generation_s)
+        return cls(state, kind, requests, builder, limit_s)
 
     def __init__(self, state: GatewayState, kind: Kind, requests: list[GenerateRequest],
-                 builder: ResponseBuilder) -> None:
+                 builder: ResponseBuilder, limit_s: float) -> None:
         self.state, self.kind, self.requests, self.builder = state, kind, requests, builder
+        self.deadline_s = asyncio.get_running_loop().time() + limit_s
+        self.expired = False  # the generation cap was reached
+        self._waiting: asyncio.Task[object] | None = None  # the task awaiting the workers' next delta
         self.endpoint = _ENDPOINTS[kind]
         self.series = state.metrics.endpoint(self.endpoint)
         self.choices = [ChoiceState(i) for i in range(len(requests))]
@@ -234,11 +251,15 @@ class _Run:
         self.first_token_s: float | None = None
         self.last_token_s: list[float | None] = [None] * len(requests)
         self._released = False
+        self._admitted = state.admission is not None  # holds an admission slot until its first token
 
     def _release(self) -> None:
         if self._released:
             return
         self._released = True
+        if self._admitted and self.state.admission is not None:
+            self._admitted = False
+            self.state.admission.abandon()
         self.state.num_inflight -= 1
         self.state.metrics.inflight.dec()
         m = self.state.metrics
@@ -258,6 +279,9 @@ class _Run:
         if self.first_token_s is None:
             self.first_token_s = now
             self.series.ttft.observe(now - self.start_s)
+            if self._admitted and self.state.admission is not None:
+                self._admitted = False
+                self.state.admission.first_token(now - self.start_s)
         previous = self.last_token_s[index]
         if previous is not None and num_tokens:
             observe_many(self.series.itl, (now - previous) / num_tokens, num_tokens)
@@ -266,6 +290,45 @@ class _Run:
         self.choices[index].absorb(delta)
 
     async def _deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
+        """The workers' deltas until every choice ends or the generation cap is reached; at the cap, the
+        workers' streams are closed (aborting the requests) and each unfinished choice gets a last delta
+        with finish_reason "length". Only a wait for the workers is interrupted at the cap, never the
+        consumer's own awaits between two deltas (it sees the cap at its next delta)."""
+        loop = asyncio.get_running_loop()
+        timer = loop.call_at(self.deadline_s, self._expire)
+        try:
+            async with contextlib.aclosing(self._worker_deltas()) as deltas:
+                while not self.expired:
+                    self._waiting = asyncio.current_task()
+                    try:
+                        item = await anext(deltas)
+                    except StopAsyncIteration:
+                        return
+                    except asyncio.CancelledError:
+                        task = asyncio.current_task()
+                        if not self.expired or task is None or task.uncancel() > 0:
+                            raise  # not (only) the cap: the client left
+                    finally:
+                        self._waiting = None
+                    if not self.expired:
+                        yield item
+        finally:
+            timer.cancel()
+        logger.info("request %s: the generation cap was reached; its choices end with finish_reason length",
+                    self.requests[0].request_id.rpartition("-")[0])
+        for index, choice in enumerate(self.choices):
+            if choice.finish_reason is None:
+                yield index, TokenDelta(
+                    request_id=self.requests[index].request_id, token_ids=[], finished=True, finish_reason="length",
+                    num_prompt_tokens=choice.num_prompt_tokens or len(self.requests[index].token_ids),
+                    num_cached_tokens=choice.num_cached_tokens, num_output_tokens=choice.num_output_tokens)
+
+    def _expire(self) -> None:
+        self.expired = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def _worker_deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
         workers = self.state.workers
         if len(self.requests) == 1:
             async with contextlib.aclosing(workers.generate(self.requests[0])) as stream:

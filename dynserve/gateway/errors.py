@@ -66,7 +66,7 @@ def _param_from_loc(loc: tuple[Any, ...]) -> str | None:
     for part in parts:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif str(part).startswith(("str", "list[", "function-", "constrained-")):
+        elif str(part).startswith(("str", "list[", "function-", "constrained-")) or part in ("int", "float"):
             continue  # pydantic's union-member labels are not part of the user's parameter
         else:
             out += f".{part}" if out else str(part)

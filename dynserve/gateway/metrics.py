@@ -38,7 +38,7 @@ _DECISION_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-
 _EVENT_LAG_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-_REJECT_REASONS = ("not_ready", "queue_full")
+_REJECT_REASONS = ("not_ready", "queue_full", "overloaded")
 _ENDPOINTS = ("chat/completions", "completions")
 _DISAGG_FALLBACK_REASONS = ("prefill_failed", "transfer_error", "transfer_timeout", "no_blocks", "lease_expired")
 
@@ -99,6 +99,11 @@ class GatewayMetrics:
             self.rejected.labels(reason)
         self.retries = Counter("dynserve_gateway_retries", "Requests re-sent to another worker after a failure",
                                registry=registry)
+        self.migrations = Counter("dynserve_migrations", "Requests moved to another worker mid-stream, by reason "
+                                  "(worker_failed: its channel dropped; worker_aborted: it cut the request)",
+                                  ["reason"], registry=registry)
+        for reason in ("worker_failed", "worker_aborted"):
+            self.migrations.labels(reason)
         self.disagg_requests = Counter(
             "dynserve_disagg_requests", "Disaggregated serving: requests by where their prompt was prefilled "
             "(remote: on a prefill worker; short_prompt, prefill_queue, no_prefill_worker: on the decode worker, "

@@ -5,6 +5,10 @@ Pure functions of (request, tokenizer, model limits). Everything the user got wr
 - a field OpenAI defines that dynserve does not implement (tools, response_format other than text, ...);
 - a content part that is not text;
 - a prompt plus `max_tokens` longer than the context (`code="context_length_exceeded"`).
+
+`max_tokens` left out means what it means at OpenAI: for a chat, the rest of the context; for a legacy text
+completion, 16 tokens (`COMPLETION_DEFAULT_MAX_TOKENS`), so a careless request cannot hold a worker until
+the context is full.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, _
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import SamplingParams
 
-__all__ = ["Prepared", "prepare_chat", "prepare_completion", "reject_unsupported"]
+__all__ = ["COMPLETION_DEFAULT_MAX_TOKENS", "Prepared", "prepare_chat", "prepare_completion", "reject_unsupported"]
+
+# OpenAI's (and vLLM's) default for /v1/completions; a chat's default is what the prompt leaves of the context
+COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 _UNSUPPORTED = (
     "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio",
@@ -115,8 +122,11 @@ def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_mod
         if not ids_in_vocab(ids, vocab):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
     longest = max(len(p) for p in prompts)
-    # one parameter set for all prompts: a default max_tokens is what the longest prompt leaves of the context
-    params = _sampling_params(request, longest, max_model_len, request.max_tokens, request.logprobs, "prompt")
+    # one parameter set for all prompts; the default fits what the longest prompt leaves of the context
+    max_tokens = request.max_tokens
+    if max_tokens is None:
+        max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_model_len - longest)
+    params = _sampling_params(request, longest, max_model_len, max_tokens, request.logprobs, "prompt")
     return Prepared(prompts, params)
 
 

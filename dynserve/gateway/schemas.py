@@ -1,27 +1,52 @@
 """OpenAI request schemas (pydantic, so FastAPI validates them and publishes them in /openapi.json).
 
-Unknown fields are rejected (`extra="forbid"`), as OpenAI does, so a typo never silently changes behaviour.
+Unknown fields are rejected (`extra="forbid"`), as OpenAI does, so a typo never silently changes behaviour;
+values are not coerced across JSON types (`strict`): `1` is not `true`, nor `"2"` a number.
 Fields OpenAI defines that dynserve does not implement are declared here so they validate, and then
 `preprocess.reject_unsupported` answers them with a 400 that names them. So are SGLang's extension fields that
 sglang-router adds, at their defaults, to every request it forwards: those defaults ask for what dynserve
 does, so they are accepted; any other value is a 400 naming the field. Responses are plain dicts built in
-`responses.py` and encoded with msgspec (they are on the hot path and need no validation).
+`responses.py` and encoded with msgspec (they are on the hot path and need no validation); the response
+models at the end of this module only describe them in the OpenAPI document (`tests/test_fuzz.py` checks
+the server's answers against it).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, WithJsonSchema
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "TextPart"]
+__all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "CompletionRequest", "CompletionResponse",
+           "ErrorResponse", "StreamOptions", "TextPart"]
 
 MAX_N = 16
+
+
+def _integral(value: float) -> int:
+    if not value.is_integer():
+        raise ValueError("Input should be a valid integer")
+    return int(value)
+
+
+def _int(ge: int | None = None, le: int | None = None, description: str | None = None) -> Any:
+    """An integer as JSON Schema means it: `5` or `5.0`, never `true` nor `"5"` (the models are strict), and
+    bounded: integers reaching the workers fit the wire's 64 bits, so a larger one is a 400, not a 500."""
+    ge = -(2**63) if ge is None else ge
+    le = 2**63 - 1 if le is None else le
+    return Annotated[Annotated[int, Field(ge=ge, le=le)]
+                     | Annotated[float, Field(ge=ge, le=le), AfterValidator(_integral)],
+                     WithJsonSchema({"type": "integer", "minimum": ge, "maximum": le}
+                                    | ({"description": description} if description else {}))]
+
+
+_TokenId = _int(0, 2**31 - 1)
 MAX_STOP_SEQUENCES = 4
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict types too: `false` is not a token id nor `0.0` a boolean (the fuzzer found both accepted)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -32,7 +57,7 @@ class StreamOptions(_Strict):
 class TextPart(BaseModel):
     """A content part; only `type: "text"` is served (others are rejected by preprocessing, by name)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -46,20 +71,24 @@ class ChatMessage(_Strict):
 
 class _SamplingFields(_Strict):
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: _int(1) | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=1, description="extension: keep the k most likely tokens")] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    top_k: _int(1, 2**31 - 1, "extension: keep the k most likely tokens") | None = None
+    n: _int(1, MAX_N) = 1
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
-    seed: int | None = None
+    seed: _int() | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past the end-of-text token")
-    stop_token_ids: list[int] | None = Field(None, description="extension: extra token ids that end generation")
+    stop_token_ids: list[_TokenId] | None = Field(None, description="extension: extra token ids that end generation")
+    max_generation_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        None, description="extension: stop generating after this many seconds (from admission), ending with "
+        "finish_reason 'length'; the server's own cap (max_generation_s, 600 by default) applies when this is "
+        "left out, and bounds it when it is larger")
     # accepted and ignored: they change nothing about the completion
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -87,9 +116,9 @@ class _SamplingFields(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: _int(1) | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: _int(0, 20) | None = None
     # SGLang extensions, as above; the two reasoning switches do nothing without a reasoning parser (dynserve
     # has none), so any value is accepted
     continue_final_message: bool = Field(False, description="extension (SGLang): only false is served")
@@ -98,10 +127,75 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | Annotated[list[str], Field(min_length=1)] | Annotated[
-        list[list[int]], Field(min_length=1)
-    ]
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    # empty prompts are refused by the schema (and so documented); token ids past the vocabulary by preprocessing
+    prompt: (Annotated[str, Field(min_length=1)] | Annotated[list[_TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
+             | Annotated[list[Annotated[list[_TokenId], Field(min_length=1)]], Field(min_length=1)])
+    logprobs: _int(0, 5) | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: _int(1) | None = None
+
+
+# ---- responses, as the OpenAPI document describes them -------------------------------------------------------
+
+
+class _PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: _PromptTokensDetails
+
+
+class _AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class _ChatChoice(BaseModel):
+    index: int
+    message: _AssistantMessage
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None = Field(description="stop, length (max_tokens, the context or the generation cap)")
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[_ChatChoice]
+    usage: Usage
+
+
+class _CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None = Field(description="stop, length (max_tokens, the context or the generation cap)")
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[_CompletionChoice]
+    usage: Usage
+
+
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, for every status the gateway answers with an error (`errors.py`)."""
+
+    error: _ErrorDetail

@@ -15,14 +15,15 @@ from dynserve.config import Settings
 from dynserve.events.base import EventPlane
 from dynserve.gateway.app import Gateway, build_app
 from dynserve.gateway.backend import WorkerSet
-from dynserve.gateway.http import HttpServer
+from dynserve.gateway.http import HttpLimits, HttpServer
 from dynserve.hashing import model_salt
 from dynserve.model.resolve import resolve_model_path
 from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import WorkerInfo
 from dynserve.router.router import Router
 
-__all__ = ["GatewayServer", "make_disaggregated_workers", "make_gateway_app", "serve_app", "serve_app_async"]
+__all__ = ["GatewayServer", "http_limits", "make_disaggregated_workers", "make_gateway_app", "serve_app",
+           "serve_app_async"]
 
 
 def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None, *,
@@ -66,8 +67,9 @@ def make_router(settings: Settings, infos: list[WorkerInfo], *, dynamic: bool = 
 
 
 def serve_app(app: Gateway, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serve in the foreground on uvloop until SIGINT/SIGTERM, then finish responses in progress (5 s at
-    most) and return; `on_ready(port)` runs once the socket is bound and the workers are connected."""
+    """Serve in the foreground on uvloop until SIGINT/SIGTERM, then drain (`HttpServer.close`: stop accepting,
+    refuse new requests, give those in flight `settings.shutdown_grace_s`; a second signal cuts them) and
+    return; `on_ready(port)` runs once the socket is bound and the workers are connected."""
     import uvloop
 
     uvloop.run(serve_app_async(app, settings, on_ready))
@@ -75,29 +77,40 @@ def serve_app(app: Gateway, settings: Settings, on_ready: Callable[[int], None] 
 
 async def serve_app_async(app: Gateway, settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
     """`serve_app` on the running loop (which must be the main thread's, for the signal handlers)."""
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:  # the first signal drains, a second one cuts the grace period short
+        (hurry if stop.is_set() else stop).set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     try:
-        await _serve(app, settings, stop, on_ready)
+        await _serve(app, settings, stop, on_ready, hurry)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
 
 
+def http_limits(settings: Settings) -> HttpLimits:
+    """The HTTP server's limits from the gateway's settings."""
+    return HttpLimits(max_body_bytes=settings.max_body_bytes, max_header_bytes=settings.max_header_bytes,
+                      max_headers=settings.max_headers, header_timeout_s=settings.header_timeout_s,
+                      keep_alive_timeout_s=settings.keep_alive_timeout_s)
+
+
 async def _serve(app: Gateway, settings: Settings, stop: asyncio.Event,
-                 on_ready: Callable[[int], None] | None) -> None:
-    async with app.lifespan():
+                 on_ready: Callable[[int], None] | None, hurry: asyncio.Event | None = None) -> None:
+    async with app.lifespan():  # (its end disconnects the workers: after the drain)
         _settle_garbage_collector()
-        server = HttpServer(app, host=settings.host, port=settings.port, max_body_bytes=settings.max_body_bytes)
+        server = HttpServer(app, host=settings.host, port=settings.port, limits=http_limits(settings))
         port = await server.start()
         if on_ready is not None:
             on_ready(port)
         try:
             await stop.wait()
         finally:
-            await server.close(grace_s=5.0)
+            await server.close(grace_s=settings.shutdown_grace_s, hurry=hurry)
 
 
 def _settle_garbage_collector() -> None:

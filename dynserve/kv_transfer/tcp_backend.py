@@ -3,12 +3,18 @@ and a reader asks for regions and receives them straight into its own cache.
 
 It owns a listening socket with one server thread per accepted connection, a client connection per peer,
 and an inbox of received notifications. Frames are a 4-byte big-endian length and a msgpack body. A
-connection opens with a `_Hello` carrying the token the server's agent published in its metadata; a read
-is one `_ReadRequest` (the coalesced runs as byte regions), answered by a `_ReadReply` header and then the
-regions' raw bytes in order, sent from and received into the tensors' memory without extra Python copies
-(a CUDA cache is staged through host memory).
+connection opens with a `_Hello` carrying the token the server's agent published in its metadata and the
+cluster's token (`Settings.cluster_token`; a server that has one requires both); a read is one
+`_ReadRequest` (the coalesced runs as byte regions), answered by a `_ReadReply` header and then the regions'
+raw bytes in order, sent from and received into the tensors' memory without extra Python copies (a CUDA
+cache is staged through host memory).
 
-Invariants: a server sends nothing on a connection that has not presented its token (within
+Why both: the agent's token reaches readers through the registry, which the embedded event plane opens only
+to holders of the cluster token, but a Redis registry is guarded by Redis's own credentials, and a
+`WorkerInfo` travels further (Ray calls, a pool's records). Requiring the cluster token as well keeps the
+page server closed to anyone outside the fleet, whichever registry it uses.
+
+Invariants: a server sends nothing on a connection that has not presented its tokens (within
 `_HELLO_TIMEOUT_S`), and only bytes inside its registered cache (requests outside it get an error reply);
 a client connection that saw any error or timeout is closed and dropped, so a later read never consumes a
 stale reply; nothing writes to the local cache after `_read` returns.
@@ -48,7 +54,11 @@ _MAX_HELLO_BYTES = 256
 
 
 class _Hello(msgspec.Struct, tag="hello", array_like=True):
-    token: str
+    token: str  # the serving agent's, from its metadata
+    cluster_token: str | None = None  # Settings.cluster_token
+
+    def __repr__(self) -> str:  # never the tokens, should one be logged
+        return "_Hello(<tokens hidden>)"
 
 
 class _ReadRequest(msgspec.Struct, tag="read", array_like=True):
@@ -106,10 +116,11 @@ class _PageServer:
     """Serves one cache's bytes to readers and collects the notifications they send."""
 
     def __init__(self, kv_bytes: torch.Tensor, bind: tuple[str, int], inbox: collections.deque[Notification],
-                 token: str):
+                 token: str, cluster_token: str | None = None):
         self._kv_bytes = kv_bytes
         self._inbox = inbox
         self._token = token.encode()
+        self._cluster_token = None if cluster_token is None else cluster_token.encode()
         self._listener = socket.create_server(bind)
         self.port = self._listener.getsockname()[1]
         self._connections: set[socket.socket] = set()
@@ -142,7 +153,7 @@ class _PageServer:
         try:
             conn.settimeout(_HELLO_TIMEOUT_S)
             hello = _HELLO.decode(_recv_frame(conn, max_bytes=_MAX_HELLO_BYTES))  # small before it is trusted
-            if not hmac.compare_digest(hello.token.encode(), self._token):
+            if not self._admits(hello):
                 logger.warning("a KV page reader from %s presented a wrong token; dropped", _peer_of(conn))
                 return
             conn.settimeout(None)
@@ -158,6 +169,14 @@ class _PageServer:
             with self._guard:
                 self._connections.discard(conn)
             conn.close()
+
+    def _admits(self, hello: _Hello) -> bool:
+        """Both tokens right (the cluster's only when this server has one), each compared in constant time."""
+        agent_ok = hmac.compare_digest(hello.token.encode(), self._token)
+        if self._cluster_token is None:
+            return agent_ok
+        given = (hello.cluster_token or "").encode()
+        return hmac.compare_digest(given, self._cluster_token) and agent_ok
 
     def _send_regions(self, conn: socket.socket, regions: list[tuple[int, int]]) -> None:
         limit = self._kv_bytes.numel()
@@ -207,6 +226,7 @@ class TcpConnector(KVConnector):
         self._peer_metadata: dict[str, TcpAgentMetadata] = {}
         self._connections: dict[str, socket.socket] = {}
         self._token = secrets.token_hex(16)  # readers must present it: it goes out with the metadata only
+        self._cluster_token = settings.secret("cluster_token")  # and this one, when the fleet has it
         # a worker passes its resolved addresses; a connector made outside one serves loopback
         self._bind_host, self._advertise_host = settings.serving_addresses(None)
 
@@ -214,7 +234,7 @@ class TcpConnector(KVConnector):
         kv_bytes = kv_cache.view(-1).view(torch.uint8)
         try:
             self._server = _PageServer(kv_bytes, (self._bind_host, self.settings.transfer_port), self._inbox,
-                                       self._token)
+                                       self._token, self._cluster_token)
         except OSError as exc:
             raise KVTransferError(f"cannot serve KV pages on {self._bind_host}:{self.settings.transfer_port}: "
                                   f"{exc}", backend=self.backend) from exc
@@ -245,7 +265,7 @@ class TcpConnector(KVConnector):
             conn = socket.create_connection((meta.host, meta.port), timeout=timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._connections[peer] = conn
-            _send_frame(conn, _Hello(meta.token))
+            _send_frame(conn, _Hello(meta.token, self._cluster_token))
         conn.settimeout(max(deadline_s - time.monotonic(), 1e-3))
         return conn
 

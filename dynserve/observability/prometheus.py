@@ -9,7 +9,9 @@ target once the registry drops it. The same document serves an existing Promethe
 
 `PrometheusServer` owns the process and its working directory (configuration, rules, TSDB; removed on
 `stop` unless it was given one). Its configuration is built by a pure function (`scrape_config`), so tests
-and an operator's ConfigMap get the same text.
+and an operator's ConfigMap get the same text. A gateway whose `/metrics` requires the API key
+(`metrics_require_key`) is scraped with it: the configuration names a credentials file (only the process's
+owner can read it), never the key itself.
 """
 
 from __future__ import annotations
@@ -34,17 +36,22 @@ __all__ = ["PrometheusServer", "free_port", "scrape_config"]
 logger = logging.getLogger(__name__)
 
 RULES_NAME = "dynserve-rules.yml"
+CREDENTIALS_NAME = "gateway-api-key"  # in the working directory, mode 0600
 
 
 def scrape_config(targets_url: str, *, scrape_interval_s: float = 15.0, refresh_s: float | None = None,
-                  rule_files: tuple[str, ...] = (RULES_NAME,), job: str = "dynserve") -> str:
+                  rule_files: tuple[str, ...] = (RULES_NAME,), job: str = "dynserve",
+                  credentials_file: str | None = None) -> str:
     """Prometheus's configuration (YAML) scraping the fleet whose gateway serves `targets_url` (its
     `/metrics/targets`), evaluating `rule_files` at the scrape interval. `refresh_s` (default: the scrape
-    interval, at least 1 s) is how often the target list is re-read."""
+    interval, at least 1 s) is how often the target list is re-read. `credentials_file`: a file holding the
+    gateway's API key, sent as 'Authorization: Bearer' on the discovery requests and every scrape (a worker's
+    metrics port ignores it)."""
     interval = _duration(scrape_interval_s)
     refresh = _duration(max(1.0, refresh_s if refresh_s is not None else scrape_interval_s))
     timeout = _duration(min(scrape_interval_s, 10.0))
     rules = "".join(f"  - {name}\n" for name in rule_files)
+    auth, sd_auth = _authorization(credentials_file, 4), _authorization(credentials_file, 8)
     return (
         "# dynserve: one job, every target from the gateway's HTTP service discovery\n"
         "global:\n"
@@ -54,10 +61,20 @@ def scrape_config(targets_url: str, *, scrape_interval_s: float = 15.0, refresh_
         f"rule_files:\n{rules}"
         "scrape_configs:\n"
         f"  - job_name: {job}\n"
+        f"{auth}"
         "    http_sd_configs:\n"
         f"      - url: {targets_url}\n"
         f"        refresh_interval: {refresh}\n"
+        f"{sd_auth}"
     )
+
+
+def _authorization(credentials_file: str | None, indent: int) -> str:
+    """An `authorization` block (bearer, from `credentials_file`) at `indent` spaces; empty without a file."""
+    if credentials_file is None:
+        return ""
+    pad = " " * indent
+    return f"{pad}authorization:\n{pad}  type: Bearer\n{pad}  credentials_file: {credentials_file}\n"
 
 
 def _duration(seconds: float) -> str:
@@ -78,8 +95,10 @@ class PrometheusServer:
 
     def __init__(self, targets_url: str, *, scrape_interval_s: float = 5.0, refresh_s: float | None = None,
                  host: str = "127.0.0.1", port: int | None = None, workdir: Path | None = None,
-                 binary: str = "prometheus") -> None:
+                 binary: str = "prometheus", bearer_token: str | None = None) -> None:
+        """`bearer_token`: the gateway's API key, when its `/metrics` requires it."""
         self.targets_url, self.scrape_interval_s, self.refresh_s = targets_url, scrape_interval_s, refresh_s
+        self._bearer_token = bearer_token
         self.host, self.port = host, port
         self.binary = binary
         self._own_workdir = workdir is None
@@ -109,9 +128,16 @@ class PrometheusServer:
                                   "'prometheus')", url="")
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / RULES_NAME).write_text(render_rules())
+        credentials = None
+        if self._bearer_token is not None:
+            credentials = self.workdir / CREDENTIALS_NAME
+            credentials.touch(mode=0o600)  # readable by this user only, before the key is in it
+            credentials.chmod(0o600)
+            credentials.write_text(self._bearer_token)
         config = self.workdir / "prometheus.yml"
         config.write_text(scrape_config(self.targets_url, scrape_interval_s=self.scrape_interval_s,
-                                        refresh_s=self.refresh_s))
+                                        refresh_s=self.refresh_s,
+                                        credentials_file=None if credentials is None else str(credentials)))
         if self.port is None:
             self.port = free_port(self.host)
         command = [binary, f"--config.file={config}", f"--web.listen-address={self.url.removeprefix('http://')}",

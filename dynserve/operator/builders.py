@@ -158,17 +158,17 @@ def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: flo
 
 
 def pod_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """The variables every pod sets beside its ConfigMap: its own address (from the downward API), and the
-    API key from its Secret."""
+    """The variables every pod sets beside its ConfigMap: its own address (from the downward API), the API key
+    and the cluster token from their Secrets."""
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "DYN_ADVERTISE_HOST", "value": "$(POD_IP)"},
         {"name": "RAY_AUTH_MODE", "value": "disabled"},  # the cluster's network is the pods' own
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
     ]
-    if spec.gateway.api_key_secret is not None:
-        ref = spec.gateway.api_key_secret
-        env.append({"name": "DYN_API_KEY", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    for name, ref in (("DYN_API_KEY", spec.gateway.api_key_secret), ("DYN_CLUSTER_TOKEN", spec.cluster_token_secret)):
+        if ref is not None:
+            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     return env
 
 

@@ -36,7 +36,7 @@ OPERATOR_ENV = frozenset({
     "DYN_MODEL", "DYN_DTYPE", "DYN_HOST", "DYN_PORT", "DYN_API_KEY", "DYN_RAY_ADDRESS", "DYN_ADVERTISE_HOST",
     "DYN_BIND_HOST", "DYN_PREFILL_WORKERS", "DYN_DECODE_WORKERS", "DYN_WORKERS", "DYN_POOLS_FOLLOW_NODES",
     "DYN_REDIS_URL", "DYN_ROUTER", "DYN_TRANSFER_BACKEND", "DYN_PLANNER", "DYN_PROMETHEUS", "DYN_PROMETHEUS_URL",
-    "DYN_WORKER_METRICS_PORT", "DYN_NAMESPACE", "DYN_MOCKER",
+    "DYN_WORKER_METRICS_PORT", "DYN_NAMESPACE", "DYN_MOCKER", "DYN_CLUSTER_TOKEN",
 })
 
 
@@ -49,6 +49,13 @@ class KeyRef(_Model):
 
     name: str = Field(min_length=1, description="the Secret's name (in the resource's namespace)")
     key: str = Field("api-key", min_length=1, description="the key within it")
+
+
+class TokenRef(_Model):
+    """The key of a Kubernetes Secret holding a cluster token (16 to 512 characters)."""
+
+    name: str = Field(min_length=1, description="the Secret's name (in the resource's namespace)")
+    key: str = Field("token", min_length=1, description="the key within it")
 
 
 class ModelSource(_Model):
@@ -209,6 +216,9 @@ class DeploymentSpec(_Model):
     event_plane: EventPlaneSpec = Field(default_factory=EventPlaneSpec)
     planner: PlannerSpec = Field(default_factory=PlannerSpec)
     observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
+    cluster_token_secret: TokenRef | None = Field(
+        None, description="the Secret key holding the fleet's cluster token: every internal socket (worker "
+        "channel, event plane, TCP KV transfer) then serves only the deployment's own pods (strongly advised)")
     env: list[EnvVar] = Field(default_factory=list, description="more dynserve settings for every pod, as "
                               "DYN_* variables")
 

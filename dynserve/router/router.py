@@ -15,6 +15,7 @@ its snapshot when its event numbers jump. This module is the shell around the pu
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import random
@@ -151,9 +152,24 @@ class Router:
 
     async def consume(self, plane: EventPlane, snapshot: Callable[[str], Awaitable[KVSnapshot]],
                       cursor: str = "0") -> None:
-        """Apply the plane's events forever; on a gap, resync that worker from `snapshot(worker_id)`."""
+        """Apply the plane's events forever; on a gap, resync that worker from `snapshot(worker_id)`. A plane
+        that cannot be read (Redis restarting, the embedded plane's actor replaced) is read again after a
+        backoff of up to 2 s, from the same cursor: events missed meanwhile show as gaps, resynced."""
+        failures = 0
         while True:
-            batches, cursor = await plane.read(cursor, block_s=1.0)
+            try:
+                batches, cursor = await plane.read(cursor, block_s=1.0)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the index keeps what it knows; routing goes on meanwhile
+                failures += 1
+                if failures == 1:
+                    logger.warning("router: cannot read the event plane (%s); retrying", exc)
+                await asyncio.sleep(min(0.05 * 2**failures, 2.0))
+                continue
+            if failures:
+                logger.info("router: reading the event plane again after %d failed reads", failures)
+                failures = 0
             for batch in batches:
                 await self._apply(batch, snapshot)
                 if self.observer is not None:

@@ -6,6 +6,10 @@ MessagePack frames (`ClientFrame` one way, `WorkerFrame` the other). A worker wr
 engine step per connection, so the per-token cost is paid once per step, not once per request; the client
 side also merges deltas that queue up behind a slow consumer.
 
+A connection opens with the client's `Hello`, carrying the cluster's token (`Settings.cluster_token`); a
+worker that has a token serves nothing on a connection whose first frame is not a `Hello` presenting it
+(`framing.accept_hello`), and closes it. One frame per connection: the data path pays nothing for it.
+
 Invariants: a request's deltas arrive in order and end with exactly one finished delta or one
 `RequestError`; when the connection drops every open stream ends with `WorkerUnavailableError`, and the
 worker aborts every request that connection owned (so its KV blocks are freed).
@@ -33,6 +37,7 @@ from dynserve.protocol import (
     ClientFrame,
     DeltaBatch,
     GenerateRequest,
+    Hello,
     KVSnapshot,
     LoadRequest,
     ReleaseRequest,
@@ -193,7 +198,9 @@ class WorkerConnection:
     def num_open_streams(self) -> int:
         return len(self._streams)
 
-    async def connect(self, timeout_s: float = 5.0) -> None:
+    async def connect(self, timeout_s: float = 5.0, *, cluster_token: str | None = None) -> None:
+        """Open the connection and present `cluster_token` (the worker's `Settings.cluster_token`). A worker
+        that refuses the token closes the connection: the first call then raises WorkerUnavailableError."""
         try:
             self._reader, self._writer = await asyncio.wait_for(
                 asyncio.open_connection(self.info.host, self.info.port), timeout_s
@@ -204,6 +211,7 @@ class WorkerConnection:
                 worker_id=self.worker_id,
             ) from exc
         keep_alive(self._writer.get_extra_info("socket"))  # a worker whose machine vanished is an error
+        self._writer.write(encode_frame(Hello(cluster_token)))  # the first frame, before any request
         self._closed_reason = None  # (asyncio and uvloop turn Nagle off on every TCP stream themselves)
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"channel-{self.worker_id}")
 

@@ -233,7 +233,8 @@ class WorkerPool:
         if self._registry is None:
             from dynserve.events.ray_plane import connect_event_plane
 
-            self._registry = connect_event_plane(self.settings.redis_url, self.settings.namespace)
+            self._registry = connect_event_plane(self.settings.redis_url, self.settings.namespace,
+                                                 cluster_token=self.settings.secret("cluster_token"))
         return self._registry
 
     def workers(self) -> list[WorkerInfo]:

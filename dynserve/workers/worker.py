@@ -2,9 +2,11 @@
 
 Ray places and starts the actor, and is how its owner asks for its info, load and recent timings and
 tells it to stop. Token traffic goes over the channel (`channel.py`): `start()` opens a TCP listener in the
-actor's event loop and returns a `WorkerInfo` with its address. `generate()` is also offered as a Ray
-streaming generator for callers that hold only the actor handle; both paths feed the same engine driver
-(`engine_loop.py`: a thread for a model's engine; `inline_loop.py`: the actor's event loop for a mocker's).
+actor's event loop and returns a `WorkerInfo` with its address; a connection is served once its first
+frame, the client's hello, presents `Settings.cluster_token` (when the fleet has one). `generate()` is also
+offered as a Ray streaming generator for callers that hold only the actor handle; both paths feed the same
+engine driver (`engine_loop.py`: a thread for a model's engine; `inline_loop.py`: the actor's event loop for
+a mocker's).
 With `publish_events` the worker registers on the event plane and publishes its KV events there
 (`registration.py`).
 
@@ -37,7 +39,7 @@ import msgspec
 
 from dynserve.config import Settings
 from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
-from dynserve.framing import encode_frame, keep_alive, read_frame
+from dynserve.framing import accept_hello, encode_frame, keep_alive, read_frame
 from dynserve.protocol import (
     AbortRequest,
     ClientFrame,
@@ -193,7 +195,8 @@ class EngineWorker:
         if self._publish_events:
             from dynserve.events.ray_plane import connect_event_plane
 
-            plane = connect_event_plane(self._settings.redis_url, self._settings.namespace)
+            plane = connect_event_plane(self._settings.redis_url, self._settings.namespace,
+                                        cluster_token=self._settings.secret("cluster_token"))
             self._registration = Registration(plane, self.worker_id, self._settings.worker_lease_s)
             if self._transfer is not None:
                 self._transfer.use_registry(plane, self._loop)  # where a decode worker meets its peers
@@ -321,6 +324,12 @@ class EngineWorker:
         self._runner.submit(request, sink)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not await accept_hello(reader, self._settings.secret("cluster_token")):
+            peer = writer.get_extra_info("peername")
+            logger.warning("worker %s: refused a channel connection from %s (no hello with the cluster token)",
+                           self.worker_id, peer[0] if peer else "an unknown address")
+            writer.close()
+            return
         sink = _ConnectionSink(writer)
         self._sinks.add(sink)
         try:
