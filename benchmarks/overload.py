@@ -134,8 +134,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with dynctl_serve("capacity", _fleet_flags(args), log_dir=log_dir) as server:
         url = f"http://127.0.0.1:{server.port}"
         asyncio.run(_closed_loop(url, 8, 3))  # warm-up
+        unloaded = _summary(asyncio.run(_open_loop(url, 1.0, 5.0, seed=1)), target_s)  # one at a time, mostly
         capacity = asyncio.run(_closed_loop(url, args.concurrency, args.capacity_seconds))
-    log(f"capacity: {capacity:.1f} completions/s")
+    log(f"capacity: {capacity:.1f} completions/s; unloaded TTFT p50 {unloaded['ttft_p50_s']:.3f} s")
+    if unloaded["ttft_p50_s"] and unloaded["ttft_p50_s"] > target_s / 2:
+        log(f"the target ({target_s} s) is near the fleet's unloaded TTFT: admission cannot meet it")
     fleets: dict[str, Any] = {}
     for name, extra in (("baseline", []), ("admission", ["--admission-ttft-ms", str(args.ttft_ms)])):
         with dynctl_serve(name, [*_fleet_flags(args), *extra], log_dir=log_dir) as server:
@@ -153,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "overload", "commit": git_commit(), "machine": machine_info(), "quick": args.quick,
         "ttft_target_s": target_s, "capacity_per_s": round(capacity, 2), "load": args.load,
+        "unloaded_ttft_p50_s": unloaded["ttft_p50_s"],
         "seconds": args.seconds, "fleets": fleets,
         "admitted_ttft_p90_s": adm_p90, "admitted_within_target_p90": adm_p90 is not None and adm_p90 <= target_s,
         "ttft_p90_ratio": round(base_p90 / adm_p90, 2) if base_p90 and adm_p90 else None,
@@ -168,7 +172,7 @@ def main() -> None:
     parser.add_argument("--ttft-ms", type=float, default=500.0, help="the TTFT target [default: 500]")
     parser.add_argument("--load", type=float, default=2.0, help="offered load over capacity [default: 2]")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--speedup", type=float, default=4.0, help="mocker speedup [default: 4]")
+    parser.add_argument("--speedup", type=float, default=20.0, help="mocker speedup [default: 20]")
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients measuring capacity")
     parser.add_argument("--capacity-seconds", type=float, default=10.0)
     parser.add_argument("--output", type=Path, default=None)

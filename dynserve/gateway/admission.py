@@ -3,8 +3,9 @@
 A request's wait for its first token is its queueing behind the requests admitted before it that have not
 had theirs (Little's law: the wait is that number over the fleet's prefill rate). `Admission` bounds that
 number by a limit it adapts to what it observes, additive increase, multiplicative decrease: every
-`window_s`, if the window's TTFT p90 was over the target the limit shrinks by `decrease`, and if the limit was
-reached while TTFTs met the target it grows by one plus 10%. Requests past the limit are refused at once
+`window_s`, if the window's TTFT p90 was over the target the limit shrinks (by the ratio of target to p90,
+between `decrease` and a half), and if the limit was reached while TTFTs met the target it grows by one plus
+10%. Requests past the limit are refused at once
 (429 with Retry-After), so overload costs the excess a quick retry instead of costing every request its TTFT.
 
 Pure bookkeeping, no I/O: the clock is passed in. Invariant: 0 <= num_waiting; min_limit <= limit <= max_limit.
@@ -61,8 +62,9 @@ class Admission:
         if self._ttfts_s:
             ttfts = sorted(self._ttfts_s)
             p90 = ttfts[min(len(ttfts) - 1, math.ceil(0.9 * len(ttfts)) - 1)]
-            if p90 > self.ttft_target_s:
-                self.limit = max(self.min_limit, self.limit * self.decrease)
+            if p90 > self.ttft_target_s:  # down by how far over, by `decrease` at least, by half at most
+                factor = min(self.decrease, max(0.5, self.ttft_target_s / p90))
+                self.limit = max(self.min_limit, self.limit * factor)
             elif self._saturated:
                 self.limit = min(self.max_limit, self.limit + 1 + 0.1 * self.limit)
         self._ttfts_s.clear()

@@ -60,8 +60,9 @@ def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> G
     """The gateway app; its lifespan connects to `workers` and starts polling their loads."""
     state = GatewayState(settings, workers, tokenizer)
     if settings.admission_ttft_ms is not None:
+        # it starts low and grows while first tokens come in time: a burst at start-up cannot blow the target
         state.admission = Admission(settings.admission_ttft_ms / 1000, max_limit=float(settings.max_queue),
-                                    initial_limit=min(16.0, float(settings.max_queue)), clock=time.monotonic)
+                                    initial_limit=min(4.0, float(settings.max_queue)), clock=time.monotonic)
     sets = [workers] if workers.prefill is None else [workers, workers.prefill]
     _observe_workers(state, workers, sets)
     api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, workers, sets),
