@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 
@@ -24,13 +25,14 @@ REAL = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1,
 
 @pytest.fixture(scope="module")
 def workers(ray_instance: Any) -> Iterator[dict[str, tuple[Any, Any]]]:
-    """Real workers in their own namespace: one prefill, three decode (their ids as keys). A decode worker
-    serves an aggregated gateway too (it prefills what it is sent), so the aggregated test uses two of them
-    and the disaggregated one the prefill worker, the survivor and the third."""
+    """Real workers in their own namespace: one prefill, two decode (their ids as keys). The disaggregated test
+    runs first and kills a decode worker; the aggregated one then uses the other and the prefill worker,
+    announced to its gateway as a worker of role both (a worker of any role serves a whole request it is
+    sent: its role says what it publishes and how gateways route to it)."""
     from dynserve.workers.worker import launch_worker
 
     settings = Settings(**REAL)
-    layout = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode", "decode-2": "decode"}
+    layout = {"prefill-0": "prefill", "decode-0": "decode", "decode-1": "decode"}
     launched = {wid: launch_worker(settings, f"mig-{wid}", role, num_cpus=0.1, publish_events=False)  # type: ignore[arg-type]
                 for wid, role in layout.items()}
     infos = ray_instance.get([ref for _handle, ref in launched.values()], timeout=600)
@@ -85,23 +87,10 @@ def _usage_of_an_undisturbed_run(url: str) -> tuple[str, Any]:
     return whole.choices[0].text, whole.usage
 
 
-def test_a_worker_killed_mid_stream_costs_the_client_nothing(workers: Any, make_gateway: Any, ray_instance: Any,
-                                                              undisturbed: str) -> None:
-    pair = [workers["decode-0"], workers["decode-1"]]
-    server = make_gateway(infos=[info for _h, info in pair], namespace=REAL["namespace"])
-    whole, whole_usage = _usage_of_an_undisturbed_run(server.url)
-    text, usage = _stream_killing_midway(server.url, ray_instance, pair)
-    assert text == whole == undisturbed
-    assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
-    assert _migrations(server.url) == 1
-
-
 def test_a_decode_worker_killed_mid_stream_costs_the_client_nothing(workers: Any, make_gateway: Any,
                                                                      ray_instance: Any,
                                                                      undisturbed: str) -> None:
-    decode = [w for w in (workers["decode-0"], workers["decode-1"]) if _alive(ray_instance, w[0])]
-    decode.append(workers["decode-2"])
-    assert len(decode) == 2
+    decode = [workers["decode-0"], workers["decode-1"]]
     infos = [workers["prefill-0"][1], *(info for _h, info in decode)]
     server = make_gateway(infos=infos, namespace=REAL["namespace"], disagg_local_prefill_tokens=0)
     whole, whole_usage = _usage_of_an_undisturbed_run(server.url)
@@ -111,6 +100,20 @@ def test_a_decode_worker_killed_mid_stream_costs_the_client_nothing(workers: Any
     assert _migrations(server.url) == 1
     metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert re.search(r'^dynserve_disagg_requests_total\{path="remote"\} 2\.0$', metrics, re.MULTILINE), metrics
+
+
+def test_a_worker_killed_mid_stream_costs_the_client_nothing(workers: Any, make_gateway: Any, ray_instance: Any,
+                                                              undisturbed: str) -> None:
+    survivor = next(w for w in (workers["decode-0"], workers["decode-1"]) if _alive(ray_instance, w[0]))
+    prefill_handle, prefill_info = workers["prefill-0"]
+    # told "both", the gateway sends it whole requests (which any worker serves) instead of prefills
+    pair = [survivor, (prefill_handle, msgspec.structs.replace(prefill_info, role="both"))]
+    server = make_gateway(infos=[info for _h, info in pair], namespace=REAL["namespace"])
+    whole, whole_usage = _usage_of_an_undisturbed_run(server.url)
+    text, usage = _stream_killing_midway(server.url, ray_instance, pair)
+    assert text == whole == undisturbed
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
+    assert _migrations(server.url) == 1
 
 
 def test_with_migration_off_a_mid_stream_failure_reaches_the_client(make_mocker: Any, make_gateway: Any,
