@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCAL_RAY_ENV", "RESULTS_DIR", "best_time_s", "git_commit", "log", "machine_info", "percentile", "write_result"]
+__all__ = ["LOCAL_RAY_ENV", "RESULTS_DIR", "best_time_s", "file_tail", "git_commit", "log", "machine_info", "percentile", "write_result"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +53,14 @@ def machine_info() -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch and torch.cuda.is_available() else None,
         "load_avg_1m": os.getloadavg()[0],  # other work on the machine skews timings; judge by this
     }
+
+
+def file_tail(path: Path, num_chars: int = 3000) -> str:
+    """The last `num_chars` of a log file ("" when it cannot be read): what a failed server said last."""
+    try:
+        return path.read_text(errors="replace")[-num_chars:]
+    except OSError:
+        return ""
 
 
 def best_time_s(fn: Callable[[], object], repeats: int) -> float:

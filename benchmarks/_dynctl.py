@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks._common import log
+from benchmarks._common import file_tail, log
 
 __all__ = ["DynctlServer", "dynctl_serve", "scrape_counters"]
 
@@ -45,10 +45,7 @@ class DynctlServer:
     port: int
 
     def log_tail(self, num_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
+        return file_tail(self.log_path, num_chars)
 
     def cpu_s(self) -> float:
         """CPU seconds used so far by the server and its descendants (those alive now): Ray, the workers."""

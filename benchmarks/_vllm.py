@@ -23,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks._common import log
+from benchmarks._common import file_tail, log
 from benchmarks._services import free_port
 
 __all__ = ["VLLM_VENV", "VllmServer", "ensure_vllm", "vllm_serve"]
@@ -42,10 +42,7 @@ class VllmServer:
     ready_s: float
 
     def log_tail(self, num_chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-num_chars:]
-        except OSError:
-            return ""
+        return file_tail(self.log_path, num_chars)
 
 
 def ensure_vllm(python: Path | None = None) -> Path:

@@ -47,14 +47,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from benchmarks._common import git_commit, log, machine_info, percentile, write_result
+from benchmarks._common import best_time_s, git_commit, log, machine_info, percentile, write_result
 from benchmarks._dynctl import dynctl_serve
 from benchmarks._streaming import StreamedCompletion, completion_body, stream_completion
 from benchmarks._vllm import ensure_vllm, vllm_serve
@@ -137,8 +136,8 @@ def measure_bandwidth(num_threads: int = 2, size_bytes: int = 1 << 30, repeats: 
         dst = torch.empty_like(src)
         src.sum()  # first touch outside the timing
         dst.copy_(src)
-        read_s = _best_s(lambda: src.sum(), repeats)
-        copy_s = _best_s(lambda: dst.copy_(src), repeats)
+        read_s = best_time_s(lambda: src.sum(), repeats)
+        copy_s = best_time_s(lambda: dst.copy_(src), repeats)
         del src, dst
     finally:
         torch.set_num_threads(previous)
@@ -151,15 +150,6 @@ def _log_bandwidth(bandwidth: dict[str, float], num_weight_bytes: int) -> dict[s
         f"{num_weight_bytes / 1e6:.0f} MB of weights: a batch-1 step streams them in "
         f"{1000 * num_weight_bytes / (bandwidth['read_gbs'] * 1e9):.1f} ms at best")
     return bandwidth
-
-
-def _best_s(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 # ---- the workload ---------------------------------------------------------------------------------------
