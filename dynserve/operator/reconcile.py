@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from dynserve.operator.builders import (
-    DEPLOYMENT_LABEL, MANAGER, build_children, build_pool_deployment, pool_resource_name,
+    DEPLOYMENT_LABEL, MANAGER, build_children, build_pool_deployment, build_pool_resource, pool_resource_name,
 )
 from dynserve.operator.spec import API_VERSION, POOL_KIND, DeploymentSpec, parse_deployment, parse_pool
 
@@ -50,15 +50,14 @@ class Client(Protocol):
                propagation: str = "Foreground") -> bool: ...
 
 
-def _pool_replicas(client: Client, name: str, namespace: str, spec: DeploymentSpec, uid: str | None,
-                   children: list[dict[str, Any]]) -> dict[str, int]:
+def _pool_replicas(client: Client, name: str, namespace: str, spec: DeploymentSpec,
+                   uid: str | None) -> dict[str, int]:
     """Each pool's replicas now, creating its DynServePool the first time and passing on a change of the
     deployment spec's count (the user's hand: it wins over the planner's)."""
     replicas = {}
-    wanted = {c["metadata"]["name"]: c for c in children if c["kind"] == POOL_KIND}
     for pool, pool_spec in spec.pools.items():
         resource_name = pool_resource_name(name, pool)
-        desired = wanted[resource_name]
+        desired = build_pool_resource(name, namespace, spec, pool, uid)
         desired["metadata"].setdefault("annotations", {})[SPEC_REPLICAS_ANNOTATION] = str(pool_spec.replicas)
         existing = client.get(API_VERSION, POOL_KIND, resource_name, namespace)
         if existing is None:
@@ -81,8 +80,7 @@ def reconcile_deployment(client: Client, name: str, namespace: str, spec_dict: d
     """Bring the deployment's children to its spec; returns the children applied. Raises
     InvalidRequestError for a bad spec, KubernetesError for a failed call."""
     spec = parse_deployment(spec_dict)
-    children = build_children(name, namespace, spec, uid=uid)
-    replicas = _pool_replicas(client, name, namespace, spec, uid, children)
+    replicas = _pool_replicas(client, name, namespace, spec, uid)
     children = build_children(name, namespace, spec, uid=uid, replicas=replicas)
     for child in children:
         if child["kind"] != POOL_KIND:

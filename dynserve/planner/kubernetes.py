@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
 
 from dynserve.errors import KubernetesError
 from dynserve.operator.builders import pool_resource_name
+from dynserve.operator.reconcile import Client
 from dynserve.operator.spec import API_VERSION, POOL_KIND, POOL_ROLES
 
 __all__ = ["ANNOTATION", "KubernetesActuator", "planner_pools"]
@@ -25,13 +25,6 @@ __all__ = ["ANNOTATION", "KubernetesActuator", "planner_pools"]
 logger = logging.getLogger(__name__)
 
 ANNOTATION = "dynserve.io/planner-replicas"
-
-
-class _Client(Protocol):  # what the actuator uses of `dynserve.operator.kube.KubeClient`
-    def get(self, api_version: str, kind: str, name: str, namespace: str | None) -> dict[str, Any] | None: ...
-
-    def patch(self, api_version: str, kind: str, name: str, namespace: str | None, body: dict[str, Any], *,
-              subresource: str | None = None) -> dict[str, Any]: ...
 
 
 def planner_pools(deployment: str, roles: tuple[str, ...]) -> dict[str, str]:
@@ -44,7 +37,7 @@ class KubernetesActuator:
     """An `Actuator` (see `live.py`) over a deployment's DynServePools. `on_hand_set(role, replicas)` is told of
     a count someone else wrote (the planner holds it as an override); `serving` counts serving workers."""
 
-    def __init__(self, client: _Client, namespace: str, pools: Mapping[str, str], *,
+    def __init__(self, client: Client, namespace: str, pools: Mapping[str, str], *,
                  on_hand_set: Callable[[str, int], None], serving: Callable[[], Mapping[str, int]]) -> None:
         self.client, self.namespace, self.pools = client, namespace, dict(pools)
         self._on_hand_set, self._serving = on_hand_set, serving
