@@ -6,7 +6,8 @@ query row has attended exactly to positions `0 .. its own position` of its seque
 How it stays fast on CPU (where attention, not matmuls, dominates a large decode batch):
 - a `_Plan` is derived once per step and reused by every layer (slot split, row groups, masks);
 - a prefill chunk with nothing cached before it attends over the keys in hand (no gather);
-- decode rows (one query token each) go to the C++ kernel of `cpu_decode` when it is available (fp32),
+- decode rows (one query token each) go to the C++ kernel of `cpu_native` when it is available (fp32 or bf16;
+  a step of decode rows only writes its keys and values in the same call),
   which reads the cache through the block tables without copying; otherwise, in pure torch:
   - decode rows are sorted by context length and grouped, so each group pads only to its own longest;
   - K and V are gathered block-wise straight into `[rows, tokens, kv_heads, head_dim]` (one copy each), and
@@ -21,11 +22,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dynserve.engine.kernels import AttentionMetadata, cpu_decode
+from dynserve.engine.kernels import AttentionMetadata, cpu_native
 
 __all__ = ["USE_NATIVE_DECODE", "forward", "write_kv"]
 
-# Decode rows go through the C++ kernel (`cpu_decode`) when it can be built; tests switch it off to check
+# Decode rows go through the C++ kernel (`cpu_native`) when it can be built; tests switch it off to check
 # the pure torch path, which stays the reference.
 USE_NATIVE_DECODE = True
 
@@ -78,7 +79,7 @@ class _PrefillRow:
 class _NativeDecode:
     """All decode rows at once, for the C++ kernel (which reads the cache through the block tables)."""
 
-    kernel: Any  # the compiled `cpu_decode` module
+    kernel: Any  # the compiled `cpu_native` module
     token_idx: torch.Tensor
     block_tables: torch.Tensor  # [rows, max_blocks] int32
     seq_lens: torch.Tensor  # [rows] int32
@@ -153,12 +154,13 @@ def _gather(kv_cache: torch.Tensor, layer: int, block_ids: torch.Tensor, num_row
 
 
 def _native_decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> Any | None:
-    """The C++ decode kernel when it applies (fp32 on CPU) and could be built; None otherwise."""
-    if not USE_NATIVE_DECODE or query.device.type != "cpu" or query.dtype != torch.float32:
+    """The C++ decode kernel when it applies (an fp32 or bf16 cache on CPU, the query fp32 or the cache's
+    dtype) and could be built; None otherwise."""
+    if not USE_NATIVE_DECODE or query.device.type != "cpu" or kv_cache.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if kv_cache.dtype != torch.float32:
+    if query.dtype not in (torch.float32, kv_cache.dtype):
         return None
-    return cpu_decode.load()
+    return cpu_native.load()
 
 
 def _grouped_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -181,6 +183,10 @@ def forward(
     if meta.backend_plan is None:
         meta.backend_plan = _plan(meta, block_size, query.device, _native_decode_kernel(query, kv_cache))
     plan: _Plan = meta.backend_plan
+    if plan.native_decode is not None and not plan.prefill_rows:  # decode rows only, in order: one call
+        nd = plan.native_decode
+        return nd.kernel.write_and_decode(query, key, value, kv_cache, layer, meta.slot_mapping, nd.block_tables,
+                                          nd.seq_lens, scale)
     _write(kv_cache, layer, key, value, plan.block_ids, plan.offsets)
     out = torch.empty_like(query)
     for row in plan.prefill_rows:

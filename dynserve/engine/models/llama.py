@@ -4,6 +4,9 @@ Input is a flat list of tokens from many sequences with their positions; attenti
 (`dynserve.engine.kernels`) that reads and writes the paged KV cache. Q/K/V and gate/up projections are
 fused into one matmul each. Logits are computed only for the rows asked for (the last token of each
 sequence that samples), which keeps prefill from paying for a vocabulary-sized matmul per token.
+
+The ops other than attention come from `kernels.cpu_ops` (`select_ops`): eager torch, or for bf16 on CPU
+the fused C++ kernels; the choice is made once per dtype and device.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynserve.engine.kernels import AttentionMetadata
+from dynserve.engine.kernels.cpu_ops import StepOps, select_ops
 from dynserve.engine.loader import ModelConfig
 
 __all__ = ["LlamaForCausalLM"]
@@ -63,6 +67,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.register_buffer("inv_freq", _rope_inv_freq(config).float(), persistent=False)
         self.scale = config.head_dim**-0.5
+        self._ops: tuple[torch.device, StepOps] | None = None
+
+    def step_ops(self) -> StepOps:
+        """The ops this model's dtype and device run on (chosen on first use, after any `.to(device)`)."""
+        device = self.embed_tokens.device
+        if self._ops is None or self._ops[0] != device:
+            self._ops = (device, select_ops(self.dtype, device))
+        return self._ops[1]
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face Llama checkpoints, fusing Q/K/V and gate/up."""
@@ -80,17 +92,6 @@ class LlamaForCausalLM(nn.Module):
                 layer.gate_up_proj.copy_(torch.cat([state[p + "mlp.gate_proj.weight"], state[p + "mlp.up_proj.weight"]]))
                 layer.down_proj.copy_(state[p + "mlp.down_proj.weight"])
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
-
-    @staticmethod
-    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate-half rope on `[tokens, heads, head_dim]` (Hugging Face layout)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        c, s = cos[:, None, :], sin[:, None, :]
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -102,20 +103,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the packed tokens through the model; return fp32 logits of the rows in `logits_indices`."""
         cfg = self.config
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        cos, sin = self._rope(positions)
+        ops = self.step_ops()
+        eps, q_dim = cfg.rms_norm_eps, cfg.num_heads * cfg.head_dim
+        rope = ops.rope_tables(positions, self.inv_freq)
         hidden = F.embedding(input_ids, self.embed_tokens)
         n = hidden.shape[0]
+        x = ops.rms_norm(hidden, self.layers[0].input_norm, eps) if len(self.layers) else hidden
         for layer_idx, layer in enumerate(self.layers):
-            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv_proj)
-            q = self._apply_rope(qkv[:, :q_dim].view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self._apply_rope(qkv[:, q_dim : q_dim + kv_dim].view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = qkv[:, q_dim + kv_dim :].view(n, cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = ops.rope_qkv(ops.linear(x, layer.qkv_proj), rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             attn = attention.forward(q, k, v, kv_cache, layer_idx, meta, self.scale)
-            hidden = hidden + F.linear(attn.reshape(n, q_dim), layer.o_proj)
-            x = F.rms_norm(hidden, (cfg.hidden_size,), layer.post_attn_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up_proj).chunk(2, dim=-1)
-            hidden = hidden + F.linear(F.silu(gate) * up, layer.down_proj)
-        last = F.rms_norm(hidden[logits_indices], (cfg.hidden_size,), self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+            x, hidden = ops.add_rms_norm(ops.linear(attn.reshape(n, q_dim), layer.o_proj), hidden,
+                                         layer.post_attn_norm, eps)
+            mlp = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+            if layer_idx + 1 < len(self.layers):
+                x, hidden = ops.add_rms_norm(mlp, hidden, self.layers[layer_idx + 1].input_norm, eps)
+            else:
+                hidden = hidden + mlp
+        last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
+        return ops.logits(last, self.lm_head)

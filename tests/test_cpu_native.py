@@ -1,16 +1,16 @@
-"""The C++ decode kernel (`kernels/cpu_decode`) computes what the pure torch path computes."""
+"""The C++ decode kernel (`kernels/cpu_native`) computes what the pure torch path computes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dynserve.engine.kernels import AttentionMetadata, cpu_decode, torch_attention
+from dynserve.engine.kernels import AttentionMetadata, cpu_native, torch_attention
 
 
 @pytest.fixture(scope="module")
 def kernel():  # type: ignore[no-untyped-def]
-    module = cpu_decode.load()
+    module = cpu_native.load()
     assert module is not None, "the C++ kernel must build on the CI machine (g++ and ninja are installed)"
     return module
 
