@@ -2,17 +2,20 @@
 
 - `TorchOps`: eager torch. The reference, and the path of every dtype but bf16 on CPU (the fp32 path stays
   exactly what Hugging Face parity tests check).
-- `NativeBf16Ops`: the C++ kernels of `cpu_native` for bf16 on CPU. A step with few rows (decode) runs its
-  linears through `linear`, which streams each weight once at close to the machine's memory bandwidth (an
-  eager bf16 matrix-vector product reaches about a third of it); more rows (prefill) go to torch's GEMM,
-  which is bound by compute there. Norms, rope and the activation are fused, one call each instead of
-  several eager ops, so a decode step spends its time reading weights rather than dispatching ops.
+- `NativeBf16Ops`: the C++ kernels of `cpu_native` for bf16 on CPU. Linear weights are packed once for
+  the kernel's `vdpbf16ps` tiles (`prepare`): a decode step's few rows stream each weight at close to the
+  machine's memory bandwidth (an eager bf16 matrix-vector product reaches about a third of it), and
+  prefill's many rows run a register-tiled GEMM. Norms, rope and the activation are fused, one call each
+  instead of several eager ops. Without AVX512-BF16 the linears stay torch's.
 
-`select_ops(dtype, device)` picks one; `USE_NATIVE_OPS = False` (tests, A/B runs) forces the torch one.
+A model prepares its linear weights once (`prepare(weight)`, the packed copy or the weight itself) and calls
+the ops with what `prepare` returned. `select_ops(dtype, device)` picks the implementation;
+`USE_NATIVE_OPS = False` (tests, A/B runs) forces the torch one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -20,21 +23,46 @@ import torch.nn.functional as F
 
 from dynserve.engine.kernels import cpu_native
 
-__all__ = ["NativeBf16Ops", "StepOps", "TorchOps", "USE_NATIVE_OPS", "select_ops"]
+__all__ = ["NativeBf16Ops", "PackedWeight", "StepOps", "TorchOps", "USE_NATIVE_OPS", "pack_linear", "select_ops"]
 
 USE_NATIVE_OPS = True
 
-# Up to this many rows a linear goes through the C++ kernel, beyond it to torch's GEMM (where the weight is
-# no longer what bounds the time); measured on AVX512-BF16, see docs/benchmarks.md (decode step).
-NATIVE_LINEAR_MAX_ROWS = 32
+_PANEL = 16  # output columns per packed panel (one fp32 vector of results)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWeight:
+    """A linear weight `[out_features, in_features]` laid out for `cpu_native.linear`:
+    `[ceil(out / 16), in / 2, 16, 2]`, padded with zeros."""
+
+    packed: torch.Tensor
+    out_features: int
+
+
+def pack_linear(weight: torch.Tensor) -> PackedWeight:
+    """`weight` (bf16 `[N, K]`, K even) packed: two consecutive k of 16 consecutive output columns per
+    64-byte line."""
+    n, k = weight.shape
+    if k % 2:
+        raise ValueError(f"cannot pack a weight with an odd number of input features ({k})")
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % _PANEL))
+    packed = padded.view(-1, _PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return PackedWeight(packed, n)
+
+
+Weight = torch.Tensor | PackedWeight
 
 
 class StepOps(Protocol):
     name: str
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def prepare(self, weight: torch.Tensor) -> Weight:
+        """What `linear` and `logits` take for this weight (made once, when the model is first run)."""
+        ...
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: Any) -> torch.Tensor: ...
+
+    def logits(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
         """fp32 `x @ weight.T`."""
         ...
 
@@ -68,6 +96,9 @@ class TorchOps:
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
+
+    def prepare(self, weight: torch.Tensor) -> Weight:
+        return weight
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
@@ -118,14 +149,19 @@ class NativeBf16Ops:
         self._k = kernels
         self._native_linear = bool(kernels.has_avx512_bf16())
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._native_linear and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
-            return self._k.linear(x, weight, False)
+    def prepare(self, weight: torch.Tensor) -> Weight:
+        if self._native_linear and weight.shape[1] % 2 == 0:
+            return pack_linear(weight)
+        return weight
+
+    def linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, PackedWeight):
+            return self._k.linear(x, weight.packed, weight.out_features, False)
         return F.linear(x, weight)
 
-    def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._native_linear and x.shape[0] <= NATIVE_LINEAR_MAX_ROWS:
-            return self._k.linear(x, weight, True)
+    def logits(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
+        if isinstance(weight, PackedWeight):
+            return self._k.linear(x, weight.packed, weight.out_features, True)
         return F.linear(x, weight).float()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,9 @@ fused into one matmul each. Logits are computed only for the rows asked for (the
 sequence that samples), which keeps prefill from paying for a vocabulary-sized matmul per token.
 
 The ops other than attention come from `kernels.cpu_ops` (`select_ops`): eager torch, or for bf16 on CPU
-the fused C++ kernels; the choice is made once per dtype and device.
+the fused C++ kernels. The choice is made once, when the model first runs (after any `.to(device)`); then
+each linear weight is prepared for those ops, and when that makes a packed copy the original's memory is
+released, so the weights are held once.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dynserve.engine.kernels import AttentionMetadata
-from dynserve.engine.kernels.cpu_ops import StepOps, select_ops
+from dynserve.engine.kernels.cpu_ops import StepOps, Weight, select_ops
 from dynserve.engine.loader import ModelConfig
 
 __all__ = ["LlamaForCausalLM"]
@@ -67,17 +69,37 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype), requires_grad=False)
         self.register_buffer("inv_freq", _rope_inv_freq(config).float(), persistent=False)
         self.scale = config.head_dim**-0.5
-        self._ops: tuple[torch.device, StepOps] | None = None
+        self._ops: StepOps | None = None
+        self._weights: list[tuple[Weight, Weight, Weight, Weight]] = []  # per layer: qkv, o, gate_up, down
+        self._lm_head_weight: Weight | None = None
 
     def step_ops(self) -> StepOps:
-        """The ops this model's dtype and device run on (chosen on first use, after any `.to(device)`)."""
-        device = self.embed_tokens.device
-        if self._ops is None or self._ops[0] != device:
-            self._ops = (device, select_ops(self.dtype, device))
-        return self._ops[1]
+        """The ops this model runs on, chosen and its linear weights prepared on first use."""
+        if self._ops is None:
+            ops = select_ops(self.dtype, self.embed_tokens.device)
+            with torch.no_grad():
+                self._weights = [
+                    (self._prepare(ops, layer.qkv_proj), self._prepare(ops, layer.o_proj),
+                     self._prepare(ops, layer.gate_up_proj), self._prepare(ops, layer.down_proj))
+                    for layer in self.layers
+                ]
+                # tied to the embedding, which lookups still read: a packed LM head is a second copy
+                self._lm_head_weight = self._prepare(ops, self.lm_head, release=self.lm_head is not self.embed_tokens)
+            self._ops = ops
+        return self._ops
+
+    @staticmethod
+    def _prepare(ops: StepOps, weight: torch.Tensor, release: bool = True) -> Weight:
+        prepared = ops.prepare(weight)
+        if release and prepared is not weight:
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        return prepared
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy weights named as in Hugging Face Llama checkpoints, fusing Q/K/V and gate/up."""
+        """Copy weights named as in Hugging Face Llama checkpoints, fusing Q/K/V and gate/up (before the model
+        first runs: its prepared weights are made then)."""
+        if self._ops is not None:
+            raise RuntimeError("weights must be loaded before the model first runs")
         with torch.no_grad():
             self.embed_tokens.copy_(state["model.embed_tokens.weight"])
             self.norm.copy_(state["model.norm.weight"])
@@ -109,15 +131,14 @@ class LlamaForCausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         n = hidden.shape[0]
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps) if len(self.layers) else hidden
-        for layer_idx, layer in enumerate(self.layers):
-            q, k, v = ops.rope_qkv(ops.linear(x, layer.qkv_proj), rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        for layer_idx, (layer, (qkv_w, o_w, gate_up_w, down_w)) in enumerate(zip(self.layers, self._weights, strict=True)):
+            q, k, v = ops.rope_qkv(ops.linear(x, qkv_w), rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             attn = attention.forward(q, k, v, kv_cache, layer_idx, meta, self.scale)
-            x, hidden = ops.add_rms_norm(ops.linear(attn.reshape(n, q_dim), layer.o_proj), hidden,
-                                         layer.post_attn_norm, eps)
-            mlp = ops.linear(ops.silu_mul(ops.linear(x, layer.gate_up_proj)), layer.down_proj)
+            x, hidden = ops.add_rms_norm(ops.linear(attn.reshape(n, q_dim), o_w), hidden, layer.post_attn_norm, eps)
+            mlp = ops.linear(ops.silu_mul(ops.linear(x, gate_up_w)), down_w)
             if layer_idx + 1 < len(self.layers):
                 x, hidden = ops.add_rms_norm(mlp, hidden, self.layers[layer_idx + 1].input_norm, eps)
             else:
                 hidden = hidden + mlp
         last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
-        return ops.logits(last, self.lm_head)
+        return ops.logits(last, self._lm_head_weight)

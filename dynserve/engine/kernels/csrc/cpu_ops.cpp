@@ -1,16 +1,17 @@
-// The bf16 decode step's CPU ops: a linear that streams its weight once at the machine's memory bandwidth,
-// and fused RMSNorm (with the residual add), rotary embedding and SiLU-and-multiply. Activations are bf16,
+// The bf16 model step's CPU ops: a linear over prepacked weights (streaming the weight at close to the
+// memory bandwidth for a decode step's few rows, a register-tiled GEMM for prefill), and fused RMSNorm (with the residual add), rotary embedding and SiLU-and-multiply. Activations are bf16,
 // every sum and product is fp32 and each result is rounded to bf16 once.
 //
-// `linear` is for the few rows of a decode step (on CPUs with AVX512-BF16; `has_avx512_bf16()` says so):
-// each weight row is read once for every input row of the call, with `vdpbf16ps` doing the multiply-adds
-// and software prefetch keeping several rows in flight. The other ops run on any x86-64 or ARM CPU.
+// `linear` needs AVX512-BF16 (`has_avx512_bf16()` says whether this CPU has it) and a weight packed for it;
+// the other ops run on any x86-64 or ARM CPU.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -33,83 +34,96 @@ void check_bf16_rows(const torch::Tensor& t, const char* name) {
 }
 
 // ---- linear ----------------------------------------------------------------------------------------------
+//
+// The weight is packed once (`pack_linear`, in Python) as [N / 16 panels][K / 2 pairs][16 columns][2]: one
+// 64-byte line holds two consecutive k of 16 output columns, which is what `vdpbf16ps` multiplies with a
+// broadcast pair of x. A tile of MT input rows by NB panels keeps MT x NB accumulators in registers for the
+// whole of K, so nothing is reduced across lanes and each weight line is loaded once per tile. Panels are
+// shared out among threads; with few input rows each thread streams its panels once (prefetching ahead),
+// with many it runs every tile of input rows over one group of panels while that group sits in L2.
 
 #if defined(__x86_64__)
-constexpr int64_t kRowsAhead = 16;  // prefetch distance in weight rows (PF=4 blocks of 4: measured best)
+constexpr int kPanelsPerTile = 4;
+constexpr int kMaxTileRows = 6;  // 6 x 4 accumulators + 4 weight registers + a broadcast fit the 32 registers
 
-// y[m, n] (m < MT, n in [n, n + R)) for one block of R weight rows and MT input rows. Each 32-wide chunk of
-// the weight rows is loaded once and used for every input row.
-template <int MT, int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void dot_block(
-    const at::BFloat16* __restrict__ x, int64_t ldx, const at::BFloat16* __restrict__ w, int64_t K,
-    float* __restrict__ acc_out, bool prefetch) {
-  const int64_t kfull = K / 32 * 32;
-  const __mmask32 tail = static_cast<__mmask32>(K == kfull ? 0u : (1u << (K - kfull)) - 1u);
-  __m512 acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kfull; k += 32) {
-    __m512bh xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
-    for (int r = 0; r < R; ++r) {
-      const at::BFloat16* row = w + r * K + k;
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(row);
-      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(row + kRowsAhead * K), _MM_HINT_T0);
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
-    }
-  }
-  if (tail) {
-    __m512bh xv[MT];
-    for (int m = 0; m < MT; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * ldx + kfull);
-    for (int r = 0; r < R; ++r) {
-      __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, w + r * K + kfull);
-      for (int m = 0; m < MT; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xv[m]);
-    }
-  }
+template <int MT, int NB, typename Out>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void tile(
+    const at::BFloat16* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ wp, int64_t K2,
+    Out* __restrict__ y, int64_t N, int64_t num_cols, bool prefetch) {
+  __m512 acc[MT][NB];
   for (int m = 0; m < MT; ++m)
-    for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  const auto* pairs = reinterpret_cast<const int32_t*>(x);  // x[m, 2kk:2kk+2] as one 32-bit word
+  const int64_t row_pairs = K / 2;
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512bh w[NB];
+    for (int b = 0; b < NB; ++b) {
+      const at::BFloat16* line = wp + (b * K2 + kk) * 32;
+      w[b] = (__m512bh)_mm512_loadu_si512(line);
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(line + 32 * 16), _MM_HINT_T0);
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pairs[m * row_pairs + kk]);
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], w[b], xb);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    for (int b = 0; b < NB && b * 16 < num_cols; ++b) {
+      const int64_t count = std::min<int64_t>(16, num_cols - b * 16);
+      const auto mask = static_cast<__mmask16>((1u << count) - 1u);
+      if constexpr (std::is_same_v<Out, float>) {
+        _mm512_mask_storeu_ps(y + m * N + b * 16, mask, acc[m][b]);
+      } else {
+        _mm256_mask_storeu_epi16(y + m * N + b * 16, mask, (__m256i)_mm512_cvtneps_pbh(acc[m][b]));
+      }
+    }
+  }
 }
 
-template <typename Out, int R>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void linear_rows(
-    const at::BFloat16* __restrict__ x, int64_t M, const at::BFloat16* __restrict__ w, int64_t n0,
-    int64_t n1, int64_t K, Out* __restrict__ y, int64_t N) {
-  float acc[8 * R], half_acc[8 * R];
-  for (int64_t n = n0; n < n1; n += R) {
-    const int64_t rows = std::min<int64_t>(R, n1 - n);
-    const at::BFloat16* wn = w + n * K;
-    for (int64_t m0 = 0; m0 < M;) {
-      const int64_t left = M - m0;
-      const bool prefetch = m0 == 0;  // the later input rows find this block's weights in L1
-      int mt;
-      if (rows == R) {
-        mt = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-        const at::BFloat16* xm = x + m0 * K;
-        switch (mt) {
-          case 8:  // 8 x 4 accumulators would not fit in the 32 vector registers: two halves of the block
-            static_assert(R % 2 == 0, "R is even");
-            dot_block<8, R / 2>(xm, K, wn, K, half_acc, prefetch);
-            dot_block<8, R / 2>(xm, K, wn + (R / 2) * K, K, half_acc + 8 * (R / 2), prefetch);
-            for (int m = 0; m < 8; ++m)
-              for (int r = 0; r < R; ++r)
-                acc[m * R + r] = r < R / 2 ? half_acc[m * (R / 2) + r] : half_acc[8 * (R / 2) + m * (R / 2) + r - R / 2];
-            break;
-          case 4: dot_block<4, R>(xm, K, wn, K, acc, prefetch); break;
-          case 2: dot_block<2, R>(xm, K, wn, K, acc, prefetch); break;
-          default: dot_block<1, R>(xm, K, wn, K, acc, prefetch); break;
-        }
-        for (int m = 0; m < mt; ++m)
-          for (int r = 0; r < R; ++r) y[(m0 + m) * N + n + r] = static_cast<Out>(acc[m * R + r]);
-      } else {  // the last rows of the weight, one at a time
-        mt = 1;
-        for (int64_t r = 0; r < rows; ++r) {
-          dot_block<1, 1>(x + m0 * K, K, wn + r * K, K, acc, false);
-          y[m0 * N + n + r] = static_cast<Out>(acc[0]);
-        }
-      }
-      m0 += mt;
+// Rows [m0, m0 + MT) of y over panels [p0, p1).
+template <int MT, typename Out>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void tile_rows(
+    const at::BFloat16* x, int64_t K, const at::BFloat16* wp, int64_t K2, Out* y, int64_t N, int64_t p0,
+    int64_t p1, int64_t m0, bool prefetch) {
+  for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
+    const int64_t nb = std::min<int64_t>(kPanelsPerTile, p1 - p);
+    const int64_t num_cols = std::min<int64_t>(nb * 16, N - p * 16);
+    const at::BFloat16* w = wp + p * K2 * 32;
+    const at::BFloat16* xm = x + m0 * K;
+    Out* ym = y + m0 * N + p * 16;
+    switch (nb) {
+      case 4: tile<MT, 4, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
+      case 3: tile<MT, 3, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
+      case 2: tile<MT, 2, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
+      default: tile<MT, 1, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
     }
   }
+}
+
+template <typename Out>
+void linear_panels(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* wp, int64_t num_panels,
+                   int64_t K2, Out* y, int64_t N) {
+  const int64_t groups = (num_panels + kPanelsPerTile - 1) / kPanelsPerTile;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    // few rows: one pass over this thread's panels; many: one group at a time, every row tile over it
+    const int64_t step = M <= kMaxTileRows ? g1 - g0 : 1;
+    for (int64_t g = g0; g < g1; g += step) {
+      const int64_t p0 = g * kPanelsPerTile, p1 = std::min(num_panels, std::min(g1, g + step) * kPanelsPerTile);
+      for (int64_t m0 = 0; m0 < M;) {
+        const int64_t mt = std::min<int64_t>(kMaxTileRows, M - m0);
+        const bool prefetch = m0 == 0;  // later row tiles find the weights in cache
+        switch (mt) {
+          case 6: tile_rows<6, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
+          case 5: tile_rows<5, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
+          case 4: tile_rows<4, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
+          case 3: tile_rows<3, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
+          case 2: tile_rows<2, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
+          default: tile_rows<1, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
+        }
+        m0 += mt;
+      }
+    }
+  });
 }
 
 bool cpu_has_avx512_bf16() {
@@ -128,29 +142,28 @@ bool has_avx512_bf16() {
   return has;
 }
 
-// y = x @ w.T for bf16 x [M, K] and w [N, K]; y is fp32 when `fp32_out`, bf16 otherwise.
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, bool fp32_out) {
+// y = x @ w.T for bf16 x [M, K] and a weight [N, K] packed as [ceil(N / 16), K / 2, 16, 2]; y is fp32 when
+// `fp32_out`, bf16 otherwise.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool fp32_out) {
   check_bf16_rows(x, "linear");
-  check_bf16_rows(w, "linear");
-  TORCH_CHECK(w.is_contiguous() && x.size(1) == w.size(1), "linear: shapes ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(has_avx512_bf16(), "linear: needs a CPU with AVX512-BF16");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(2) == 16 && packed.size(3) == 2,
+              "linear: the weight must be packed by pack_linear");
+  const int64_t M = x.size(0), K = x.size(1), num_panels = packed.size(0), K2 = packed.size(1);
+  TORCH_CHECK(K % 2 == 0 && K2 * 2 == K, "linear: shapes ", x.sizes(), " and packed ", packed.sizes());
+  TORCH_CHECK(out_features > (num_panels - 1) * 16 && out_features <= num_panels * 16,
+              "linear: ", out_features, " output features do not match ", num_panels, " panels");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(fp32_out ? torch::kFloat32 : torch::kBFloat16));
+  auto y = torch::empty({M, out_features}, x.options().dtype(fp32_out ? torch::kFloat32 : torch::kBFloat16));
 #if defined(__x86_64__)
-  constexpr int R = 4;
   const auto* xp = x.data_ptr<at::BFloat16>();
-  const auto* wp = w.data_ptr<at::BFloat16>();
-  const int64_t num_blocks = (N + R - 1) / R;
-  // grain: at least 16 blocks (64 rows) per task, so a small matrix does not pay for many hand-offs
-  at::parallel_for(0, num_blocks, 16, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * R, n1 = std::min(N, b1 * R);
-    if (fp32_out) {
-      linear_rows<float, R>(xp, M, wp, n0, n1, K, y.data_ptr<float>(), N);
-    } else {
-      linear_rows<at::BFloat16, R>(xp, M, wp, n0, n1, K, y.data_ptr<at::BFloat16>(), N);
-    }
-  });
+  const auto* wp = packed.data_ptr<at::BFloat16>();
+  if (fp32_out) {
+    linear_panels<float>(xp, M, K, wp, num_panels, K2, y.data_ptr<float>(), out_features);
+  } else {
+    linear_panels<at::BFloat16>(xp, M, K, wp, num_panels, K2, y.data_ptr<at::BFloat16>(), out_features);
+  }
 #endif
   return y;
 }
@@ -279,7 +292,7 @@ void register_cpu_ops(pybind11::module& m) {
   // None of these touches a Python object: each lets go of the GIL (see paged_decode_cpu.cpp).
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether `linear` can run on this CPU");
-  m.def("linear", &linear, "x @ w.T, bf16, for the few rows of a decode step", release());
+  m.def("linear", &linear, "x @ w.T, bf16, over a weight packed by pack_linear", release());
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows", release());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
