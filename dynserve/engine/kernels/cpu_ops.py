@@ -183,11 +183,8 @@ class NativeBf16Ops:
         self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,
         head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self._k.rope_(qkv, tables[0], tables[1], num_heads, num_kv_heads, head_dim)
-        n, q_dim, kv_dim = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
-        return (qkv[:, :q_dim].view(n, num_heads, head_dim),
-                qkv[:, q_dim : q_dim + kv_dim].view(n, num_kv_heads, head_dim),
-                qkv[:, q_dim + kv_dim :].view(n, num_kv_heads, head_dim))
+        q, k, v = self._k.rope_(qkv, tables[0], tables[1], num_heads, num_kv_heads, head_dim)
+        return q, k, v
 
 
 def select_ops(dtype: torch.dtype, device: torch.device) -> StepOps:

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -255,9 +256,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 // Rotate-half rotary embedding, in place, on the query and key heads of bf16 qkv [M, (Hq + 2 Hkv) * D]
-// (the value heads are left alone); cos and sin are fp32 [M, D / 2].
-void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads,
-           int64_t head_dim) {
+// (the value heads are left alone); cos and sin are fp32 [M, D / 2]. Returns q, k and v as views of qkv
+// ([M, heads, D] each): made here, they cost a fraction of what three slices and views cost in Python.
+std::vector<torch::Tensor> rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim) {
   check_bf16_rows(qkv, "rope_");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
                   cos.is_contiguous() && sin.is_contiguous(),
@@ -286,6 +288,10 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_
       }
     }
   });
+  const int64_t q_dim = num_heads * head_dim, kv_dim = num_kv_heads * head_dim;
+  return {qkv.narrow(1, 0, q_dim).view({M, num_heads, head_dim}),
+          qkv.narrow(1, q_dim, kv_dim).view({M, num_kv_heads, head_dim}),
+          qkv.narrow(1, q_dim + kv_dim, kv_dim).view({M, num_kv_heads, head_dim})};
 }
 
 void register_cpu_ops(pybind11::module& m) {
@@ -296,5 +302,5 @@ void register_cpu_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows", release());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
-  m.def("rope_", &rope_, "rotate-half rope on q and k heads, in place", release());
+  m.def("rope_", &rope_, "rotate-half rope on q and k heads, in place; q, k, v views", release());
 }

@@ -12,9 +12,15 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
+bool has_avx512_bf16();                       // cpu_ops.cpp
 
 namespace {
 
@@ -29,6 +35,7 @@ inline float as_f32(at::BFloat16 v) {
 struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   int64_t s_block, s_kv, s_tok, s_head;
+  bool bf16_dot;  // the bf16 cache's scores may use vdpbf16ps (the query came as bf16)
 };
 
 template <int64_t D, typename T>
@@ -56,6 +63,55 @@ inline void prefetch_rows(const void* first, int64_t count, int64_t stride_bytes
     for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + j * stride_bytes + off, 0, 3);
 }
 
+#if defined(__x86_64__)
+// Scores of `count` bf16 key rows (`stride` elements apart) against G bf16 query rows, written to
+// s[g * len + j]: `vdpbf16ps` multiplies pairs and sums in fp32, so a key row is two (D = 64) loads and
+// the products of all G query heads, with one horizontal sum per score.
+template <int64_t D, int64_t G>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void score_block_bf16(
+    const at::BFloat16* __restrict__ qb, const at::BFloat16* __restrict__ keys, int64_t stride, int64_t count,
+    float* __restrict__ s, int64_t len, float scale) {
+  constexpr int64_t C = D / 32;
+  __m512bh qv[G][C];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
+  for (int64_t j = 0; j < count; ++j) {
+    __m512bh kv[C];
+    for (int64_t c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(keys + j * stride + c * 32);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), kv[0], qv[g][0]);
+      for (int64_t c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, kv[c], qv[g][c]);
+      s[g * len + j] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+}
+
+// acc[g * D ...] += p[g * len + j] * value row j, for `count` bf16 value rows (`stride` elements apart); the
+// G x D accumulators stay in registers for the block.
+template <int64_t D, int64_t G>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void accumulate_block_bf16(
+    const at::BFloat16* __restrict__ values, int64_t stride, int64_t count, const float* __restrict__ p,
+    int64_t len, float* __restrict__ acc) {
+  constexpr int64_t C = D / 16;
+  __m512 a[G][C];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
+  for (int64_t j = 0; j < count; ++j) {
+    __m512 v[C];
+    for (int64_t c = 0; c < C; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + j * stride + c * 16));
+      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * len + j]);
+      for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
+}
+#endif
+
 // Attention of one (sequence, KV head): `group` query rows over `len` cached tokens. With D and G known at
 // compile time (the common shapes), the output rows live in a local array the compiler keeps in registers,
 // and each key/value row is loaded once for all G query heads. The next block's rows are prefetched while
@@ -67,6 +123,15 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
   const int64_t group = G > 0 ? G : lay.group, hd = D > 0 ? D : lay.head_dim, bs = lay.block_size;
   scores.resize(group * len);
   float* __restrict__ s = scores.data();
+  // a bf16 cache on a CPU with AVX512-BF16: scores from the query in bf16 (exact: it came from bf16 rows)
+  at::BFloat16 q_bf16[(D > 0 && G > 0) ? D * G : 1];
+  const at::BFloat16* qb = nullptr;
+  if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
+    if (lay.bf16_dot) {
+      for (int64_t i = 0; i < D * G; ++i) q_bf16[i] = at::BFloat16(q[i]);
+      qb = q_bf16;
+    }
+  }
   const int64_t num_blocks = (len + bs - 1) / bs;
   const int64_t stride_bytes = lay.s_tok * static_cast<int64_t>(sizeof(T)), row_bytes = hd * static_cast<int64_t>(sizeof(T));
   prefetch_rows(cache + table[0] * lay.s_block + kv_head * lay.s_head, std::min(bs, len), stride_bytes, row_bytes);
@@ -80,6 +145,14 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
       prefetch_rows(cache + table[0] * lay.s_block + lay.s_kv + kv_head * lay.s_head, std::min(bs, len),
                     stride_bytes, row_bytes);
     }
+#if defined(__x86_64__)
+    if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
+      if (qb != nullptr) {
+        score_block_bf16<D, G>(qb, base, lay.s_tok, count, s + first, len, scale);
+        continue;
+      }
+    }
+#endif
     for (int64_t j = 0; j < count; ++j) {
       const T* k = base + j * lay.s_tok;
       for (int64_t g = 0; g < group; ++g) s[g * len + first + j] = dot<D>(q + g * hd, k, hd) * scale;
@@ -89,6 +162,7 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
     float* sg = s + g * len;
     const float m = *std::max_element(sg, sg + len);
     float total = 0.f;
+#pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
       sg[t] = std::exp(sg[t] - m);
       total += sg[t];
@@ -106,6 +180,14 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
       prefetch_rows(cache + table[b + 1] * lay.s_block + lay.s_kv + kv_head * lay.s_head,
                     std::min(bs, len - first - bs), stride_bytes, row_bytes);
     }
+#if defined(__x86_64__)
+    if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
+      if (qb != nullptr) {
+        accumulate_block_bf16<D, G>(base, lay.s_tok, count, s + first, len, acc);
+        continue;
+      }
+    }
+#endif
     for (int64_t j = 0; j < count; ++j) {
       const T* v = base + j * lay.s_tok;
       for (int64_t g = 0; g < group; ++g) axpy<D>(acc + g * hd, v, s[g * len + first + j], hd);
@@ -181,7 +263,8 @@ torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t
   seq_lens = seq_lens.to(torch::kInt32).contiguous();
   const int64_t num_seqs = query.size(0);
   Layout lay{query.size(1), kv_cache.size(4), 0, query.size(2), kv_cache.size(3), block_tables.size(1),
-             kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4)};
+             kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
+             out_type == torch::kBFloat16 && has_avx512_bf16()};
   TORCH_CHECK(kv_cache.size(5) == lay.head_dim && lay.num_heads % lay.num_kv_heads == 0,
               "paged_decode: bad shapes");
   TORCH_CHECK(seq_lens.size(0) == num_seqs && block_tables.size(0) == num_seqs, "paged_decode: bad rows");
