@@ -7,6 +7,8 @@ packed varlen batch together.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -79,3 +81,61 @@ def test_hf_parity_greedy_generation_32_tokens(make_engine, hf_model, prompts, t
         assert alone.token_ids == expected[i], f"prompt {i} alone"
     # the answers are real text, not noise
     assert "Paris" in batched[1].text
+
+
+# ---- bf16: its own tolerance ---------------------------------------------------------------------------
+
+# bf16 keeps 8 bits of mantissa: logits of this model (magnitudes up to ~30) move by a few tenths
+BF16_LOGIT_ATOL = 1.5
+
+
+@pytest.fixture(scope="module")
+def bf16_logits(prompts) -> dict[str, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
+    """Last-token logits of the parity prompts from bf16 engines: the native CPU ops and eager torch."""
+    from dynserve.config import Settings
+    from dynserve.engine.kernels import cpu_ops
+    from dynserve.engine.llm_engine import LLMEngine, load_model
+
+    out: dict[str, Any] = {}
+    for native in (True, False):
+        cpu_ops.USE_NATIVE_OPS = native
+        try:
+            settings = Settings(dtype="bfloat16", device="cpu", kv_blocks=256, enable_prefix_caching=False)
+            engine = LLMEngine(settings, loaded=load_model(settings))
+            name = engine.model.step_ops().name
+            out[name] = [engine.compute_logits([p])[0] for p in prompts]
+            if native:  # decode steps too: a short greedy generation for each of the first three prompts
+                greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+                out["native-bf16 generated"] = [r.token_ids for r in engine.generate(prompts[:3], greedy)]
+        finally:
+            cpu_ops.USE_NATIVE_OPS = True
+    return out
+
+
+def test_bf16_logits_stay_near_hf_fp32_and_pick_its_tokens(bf16_logits, hf_last_logits) -> None:  # type: ignore[no-untyped-def]
+    assert set(bf16_logits) == {"native-bf16", "torch", "native-bf16 generated"}
+    for name in ("native-bf16", "torch"):
+        logits = bf16_logits[name]
+        for i, (ours, ref) in enumerate(zip(logits, hf_last_logits, strict=True)):
+            err = (ours - ref).abs().max().item()
+            assert err < BF16_LOGIT_ATOL, f"{name}, prompt {i}: max |logit error| {err:.3f}"
+            top2 = ref.topk(2).values
+            if top2[0] - top2[1] > 2 * BF16_LOGIT_ATOL:  # a clear winner must stay the winner
+                assert ours.argmax() == ref.argmax(), f"{name}, prompt {i}"
+    # the native kernels (fp32 sums, one rounding per result) are no less accurate than eager bf16
+    native_err = max((o - r).abs().max().item() for o, r in zip(bf16_logits["native-bf16"], hf_last_logits, strict=True))
+    torch_err = max((o - r).abs().max().item() for o, r in zip(bf16_logits["torch"], hf_last_logits, strict=True))
+    assert native_err <= 1.25 * torch_err, (native_err, torch_err)
+
+
+def test_bf16_decode_steps_choose_what_hf_fp32_ranks_top_within_tolerance(bf16_logits, hf_model, prompts) -> None:  # type: ignore[no-untyped-def]
+    """Each token the native bf16 decode path chose greedily is, by HF's fp32 logits over the same text,
+    the top token or within bf16's tolerance of it (a near tie may go either way, nothing more)."""
+    for prompt, generated in zip(prompts, bf16_logits["native-bf16 generated"], strict=False):
+        assert len(generated) == 24
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + generated])).logits[0].float()
+        for t, token in enumerate(generated):
+            row = logits[len(prompt) - 1 + t]
+            gap = (row.max() - row[token]).item()
+            assert gap < BF16_LOGIT_ATOL, f"token {t}: {gap:.3f} below HF's top logit"

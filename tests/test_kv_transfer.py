@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import hypothesis.strategies as st
@@ -228,9 +229,27 @@ def test_the_peer_receives_the_release_notification(setup: Setup) -> None:
                                               (reader.agent_name, b"release 9")]
 
 
+def _stop(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads is stopped: the signal returns before the
+    threads running on another core have stopped, and a page server thread could still answer a read."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:  # the state follows the command name, which is in parentheses and may hold spaces
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # a thread that just ended
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"process {pid} did not stop within {timeout_s} s")
+
+
 def test_a_stopped_peer_times_out_within_the_deadline_and_reads_work_again(setup: Setup) -> None:
     backend, reader, live = setup.backend, setup.reader, setup.live
-    os.kill(live.process.pid, signal.SIGSTOP)
+    _stop(live.process.pid)
     try:
         # A NIXL read is one-sided, but one posted after a notification waits until the peer has taken
         # that notification (UCX orders them on the connection): the stopped peer never does.
