@@ -14,7 +14,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["DType", "Settings"]
 
-DType = Literal["float32", "bfloat16", "float16"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
 _GATEWAY: dict[str, Any] = {"group": "gateway"}
 _CLUSTER: dict[str, Any] = {"group": "cluster"}
 _POOL: dict[str, Any] = {"group": "pool"}
@@ -31,7 +31,8 @@ class Settings(BaseSettings):
 
     # ---- engine ----
     model: str | None = Field(None, description="GGUF file or Hugging Face directory; default: bundled SmolLM2")
-    dtype: DType = Field("float32", description="weights and activations dtype")
+    dtype: DType = Field("auto", description="weights and activations dtype; 'auto': bfloat16 on a CPU with "
+                                             "AVX512-BF16 (where the engine's bf16 kernels run), float32 elsewhere")
     device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu' or 'cuda[:N]'")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; default: from kv_cache_gib")

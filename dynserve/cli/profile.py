@@ -171,7 +171,7 @@ def _build_engine(settings: Settings) -> tuple[EngineCore, float | None, str, st
     else:
         where = f"{platform.machine()} CPU, {os.cpu_count()} cores"
     name = f"{engine.model_id}-{device.split(':')[0]}".replace("/", "-").lower()
-    return engine, None, name, f"model {engine.model_id} ({settings.dtype}) on {where} ({platform.node()})"
+    return engine, None, name, f"model {engine.model_id} ({str(engine.dtype).removeprefix('torch.')}) on {where} ({platform.node()})"
 
 
 def _command(args: argparse.Namespace, settings: Settings) -> str:

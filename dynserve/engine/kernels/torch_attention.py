@@ -189,16 +189,19 @@ def forward(
                                           nd.seq_lens, scale)
     _write(kv_cache, layer, key, value, plan.block_ids, plan.offsets)
     out = torch.empty_like(query)
+    # bf16 prefill attends in fp32 on CPU: torch's CPU flash attention is slower in bf16 (30 layers of a
+    # 512-token prompt: 0.15 s against 0.10 s, conversions included) and fp32 is the more exact
+    compute = torch.float32 if query.device.type == "cpu" and query.dtype == torch.bfloat16 else query.dtype
     for row in plan.prefill_rows:
-        q = query[row.start : row.end].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+        q = query[row.start : row.end].transpose(0, 1).unsqueeze(0).to(compute)  # [1, heads, q_len, head_dim]
         if row.mask is None:  # nothing cached before this chunk: attend over the keys in hand
-            k = key[row.start : row.end].transpose(0, 1).unsqueeze(0).to(query.dtype)
-            v = value[row.start : row.end].transpose(0, 1).unsqueeze(0).to(query.dtype)
+            k = key[row.start : row.end].transpose(0, 1).unsqueeze(0).to(compute)
+            v = value[row.start : row.end].transpose(0, 1).unsqueeze(0).to(compute)
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             num_blocks = -(-row.seq_len // block_size)
             k, v = _gather(kv_cache, layer, meta.block_tables[row.seq_index, :num_blocks].long(), 1)
-            k, v = k[:, :, : row.seq_len].to(query.dtype), v[:, :, : row.seq_len].to(query.dtype)
+            k, v = k[:, :, : row.seq_len].to(compute), v[:, :, : row.seq_len].to(compute)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=row.mask, scale=scale, enable_gqa=True)
         out[row.start : row.end] = o.squeeze(0).transpose(0, 1)
     if plan.native_decode is not None:
