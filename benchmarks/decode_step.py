@@ -1,5 +1,6 @@
-"""Where a bf16 decode step's time goes on CPU, with the native ops (`kernels.cpu_ops.NativeBf16Ops`) and
-with eager torch (`TorchOps`, the baseline) in the same run.
+"""Where a bf16 decode step's time goes on CPU, with the native kernels (`kernels.cpu_ops.NativeBf16Ops` and
+the C++ paged decode attention) and with eager torch (`TorchOps` and torch's gather + SDPA attention, the
+path before the kernels: the baseline) in the same run.
 
 For each implementation and batch size (1 and 16 sequences of 256-token random prompts, greedy), the
 engine prefills the batch, decodes a few warm-up steps, and then times decode steps while every op the
@@ -51,21 +52,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class _Timer:
-    """Seconds spent in wrapped callables, by group, while `on`."""
+    """Seconds spent in wrapped callables, by group, while `on`; a wrapped call inside another (an op built
+    from other ops) counts only in the outer one."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = defaultdict(float)
         self.on = False
+        self._depth = 0
 
     def wrap(self, fn: Callable[..., Any], group: str) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.on:
+            if not self.on or self._depth:
                 return fn(*args, **kwargs)
+            self._depth += 1
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.totals[group] += time.perf_counter() - start
+                self._depth -= 1
 
         return timed
 
@@ -73,6 +78,7 @@ class _Timer:
 def measure(native: bool, batch_size: int, num_steps: int, seed: int = 0) -> dict[str, Any]:
     """Median decode-step time and each op group's mean share, for one implementation and batch size."""
     cpu_ops.USE_NATIVE_OPS = native
+    torch_attention.USE_NATIVE_DECODE = native
     settings = Settings(dtype="bfloat16", enable_prefix_caching=False)
     engine = LLMEngine(settings, loaded=load_model(settings))
     ops = engine.model.step_ops()
@@ -101,7 +107,7 @@ def measure(native: bool, batch_size: int, num_steps: int, seed: int = 0) -> dic
         timer.on = False
     finally:
         torch_attention.forward = attention_forward
-        cpu_ops.USE_NATIVE_OPS = True
+        cpu_ops.USE_NATIVE_OPS = torch_attention.USE_NATIVE_DECODE = True
     parts_ms = {group: 1000 * total / num_steps for group, total in sorted(timer.totals.items())}
     mean_step_ms = 1000 * sum(step_s) / num_steps
     parts_ms["other"] = mean_step_ms - sum(parts_ms.values())

@@ -15,6 +15,7 @@ from types import ModuleType
 
 import torch
 
+from dynserve.engine import memory
 from dynserve.engine.kernels import AttentionMetadata
 from dynserve.engine.loader import ModelConfig
 from dynserve.engine.models.llama import LlamaForCausalLM
@@ -53,10 +54,9 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.attention = select_attention_backend(attention_backend, device)
-        self.kv_cache = torch.zeros(
-            num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
-            dtype=model.dtype, device=device,
-        )
+        self.kv_cache = memory.empty(
+            (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype, device,
+        ).zero_()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,

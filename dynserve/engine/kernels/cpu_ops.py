@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from dynserve.engine import memory
 from dynserve.engine.kernels import cpu_native
 
 __all__ = ["NativeBf16Ops", "PackedWeight", "StepOps", "TorchOps", "USE_NATIVE_OPS", "pack_linear", "select_ops"]
@@ -46,7 +47,8 @@ def pack_linear(weight: torch.Tensor) -> PackedWeight:
     if k % 2:
         raise ValueError(f"cannot pack a weight with an odd number of input features ({k})")
     padded = F.pad(weight.detach(), (0, 0, 0, -n % _PANEL))
-    packed = padded.view(-1, _PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    layout = padded.view(-1, _PANEL, k // 2, 2).permute(0, 2, 1, 3)
+    packed = memory.empty(tuple(layout.shape), weight.dtype, weight.device).copy_(layout)
     return PackedWeight(packed, n)
 
 
