@@ -68,12 +68,22 @@ def test_bf16_decode_kernel_writes_and_attends_as_the_torch_path(kernel, monkeyp
     torch.testing.assert_close(actual.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
 
-def test_write_and_decode_refuses_a_slot_outside_the_cache(kernel) -> None:  # type: ignore[no-untyped-def]
+def test_the_decode_kernels_refuse_metadata_outside_the_cache(kernel) -> None:  # type: ignore[no-untyped-def]
     cache = torch.zeros(4, 1, 2, 16, 1, 64, dtype=torch.bfloat16)
     q, kv = torch.zeros(1, 1, 64, dtype=torch.bfloat16), torch.zeros(1, 1, 64, dtype=torch.bfloat16)
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    before = cache.clone()
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernel.write_and_decode(q, kv, kv, cache, 0, torch.tensor([64]), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="layer 1 out of range"):
+        kernel.write_and_decode(q, kv, kv, cache, 1, torch.tensor([3]), tables, lens, 1.0)
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        kernel.paged_decode(q, cache, 0, tables, torch.tensor([17], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="context length 0"):
+        kernel.paged_decode(q, cache, 0, tables, torch.tensor([0], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="block 4 out of range"):
+        kernel.paged_decode(q, cache, 0, torch.tensor([[4]], dtype=torch.int32), lens, 1.0)
+    assert torch.equal(cache, before)  # a refused call wrote nothing
 
 
 # ---- the bf16 step's ops against eager torch ---------------------------------------------------------------
@@ -109,6 +119,10 @@ def test_linear_matches_an_fp32_product(kernel, num_rows, out_features, in_featu
 def test_ops_refuse_what_they_cannot_compute(kernel) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="bf16 only"):
         kernel.rms_norm(torch.zeros(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="7 weights for rows of 8"):
+        kernel.rms_norm(torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(7, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="only bf16 weights"):
+        cpu_ops.pack_linear(torch.zeros(4, 8))
     with pytest.raises(ValueError, match="odd number of input features"):
         cpu_ops.pack_linear(torch.zeros(4, 9, dtype=torch.bfloat16))
     if kernel.has_avx512_bf16():

@@ -341,6 +341,11 @@ def test_failed_setup_leaves_nothing_behind(setup: Setup) -> None:
         reader.add_peer(_metadata_of_backend(other_backend))
     with pytest.raises(KVTransferError, match="1024-byte blocks"):
         reader.add_peer(_tcp_metadata(1024) if backend == "tcp" else _nixl_garbage(1024))
+    # the same block size in another dtype (bfloat16 pages read as float16 would be garbage)
+    other_dtype = "float16" if str(DTYPE) != "torch.float16" else "bfloat16"
+    with pytest.raises(KVTransferError, match=f"holds {other_dtype} KV"):
+        reader.add_peer(_tcp_metadata(BLOCK_BYTES, other_dtype) if backend == "tcp"
+                        else _nixl_garbage(BLOCK_BYTES, other_dtype))
     if backend == "nixl":
         with pytest.raises(KVTransferError, match="loading peer"):
             reader.add_peer(_nixl_garbage(BLOCK_BYTES))
@@ -359,14 +364,14 @@ def test_failed_setup_leaves_nothing_behind(setup: Setup) -> None:
 
 # ---- helpers -----------------------------------------------------------------------------------------------
 
-def _tcp_metadata(block_size_bytes: int) -> bytes:
-    layout = KVLayout(num_blocks=4, block_size_bytes=block_size_bytes, device="cpu")
+def _tcp_metadata(block_size_bytes: int, dtype: str = "") -> bytes:
+    layout = KVLayout(num_blocks=4, block_size_bytes=block_size_bytes, device="cpu", dtype=dtype)
     return encode_metadata(TcpAgentMetadata(agent_name="odd", layout=layout, host="127.0.0.1", port=9,
                                             token="0" * 32))
 
 
-def _nixl_garbage(block_size_bytes: int) -> bytes:
-    layout = KVLayout(num_blocks=4, block_size_bytes=block_size_bytes, device="cpu")
+def _nixl_garbage(block_size_bytes: int, dtype: str = "") -> bytes:
+    layout = KVLayout(num_blocks=4, block_size_bytes=block_size_bytes, device="cpu", dtype=dtype)
     return encode_metadata(NixlAgentMetadata(agent_name="odd", layout=layout, base_address=4096, device_id=0,
                                              nixl_metadata=b"garbage"))
 

@@ -81,7 +81,7 @@ def layout_of(kv_cache: torch.Tensor) -> KVLayout:
         raise ValueError("the KV cache must be contiguous (block-major: one block is one region)")
     block_size_bytes = kv_cache[0].numel() * kv_cache.element_size()
     return KVLayout(num_blocks=kv_cache.shape[0], block_size_bytes=block_size_bytes,
-                    device=str(kv_cache.device))
+                    device=str(kv_cache.device), dtype=str(kv_cache.dtype).removeprefix("torch."))
 
 
 class KVConnector(abc.ABC):
@@ -154,6 +154,11 @@ class KVConnector(abc.ABC):
             if not isinstance(peer, self.metadata_type):
                 raise KVTransferError(f"peer {peer.agent_name!r} uses another transfer backend",
                                       backend=self.backend, peer=peer.agent_name)
+            if peer.layout.dtype and self._layout.dtype and peer.layout.dtype != self._layout.dtype:
+                # equal block sizes would not catch bfloat16 against float16: the pages would be misread
+                raise KVTransferError(
+                    f"peer {peer.agent_name!r} holds {peer.layout.dtype} KV, this agent {self._layout.dtype}: "
+                    "give every worker the same --dtype", backend=self.backend, peer=peer.agent_name)
             if peer.layout.block_size_bytes != self._layout.block_size_bytes:
                 raise KVTransferError(
                     f"peer {peer.agent_name!r} has {peer.layout.block_size_bytes}-byte blocks, this agent "

@@ -34,11 +34,13 @@ __all__ = [
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     """The shape of a registered KV cache as peers need it: `num_blocks` blocks of `block_size_bytes` each,
-    on `device` ("cpu", "cuda:0", ...)."""
+    on `device` ("cpu", "cuda:0", ...), holding elements of `dtype` ("bfloat16", ...; "" from a peer that
+    predates the field: not compared)."""
 
     num_blocks: int
     block_size_bytes: int
     device: str
+    dtype: str = ""
 
     @property
     def size_bytes(self) -> int:

@@ -40,7 +40,8 @@ def load() -> Any | None:
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
 
-        flags = ["-O3", "-ffast-math", "-fopenmp"]  # at::parallel_for is OpenMP inside the header
+        # fast math for vectorized sums and exp, but NaN and infinity kept: a NaN must come out as one
+        flags = ["-O3", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]  # at::parallel_for is OpenMP inside the header
         if platform.machine() in ("x86_64", "AMD64"):
             flags.append("-march=x86-64-v3")  # AVX2 + FMA
         return cpp_extension.load(

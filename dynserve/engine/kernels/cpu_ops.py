@@ -44,9 +44,11 @@ def pack_linear(weight: torch.Tensor) -> PackedWeight:
     """`weight` (bf16 `[N, K]`, K even) packed: two consecutive k of 16 consecutive output columns per
     64-byte line."""
     n, k = weight.shape
+    if weight.dtype != torch.bfloat16:
+        raise ValueError(f"only bf16 weights are packed, not {weight.dtype}")
     if k % 2:
         raise ValueError(f"cannot pack a weight with an odd number of input features ({k})")
-    padded = F.pad(weight.detach(), (0, 0, 0, -n % _PANEL))
+    padded = weight.detach() if n % _PANEL == 0 else F.pad(weight.detach(), (0, 0, 0, -n % _PANEL))
     layout = padded.view(-1, _PANEL, k // 2, 2).permute(0, 2, 1, 3)
     packed = memory.empty(tuple(layout.shape), weight.dtype, weight.device).copy_(layout)
     return PackedWeight(packed, n)
@@ -152,7 +154,7 @@ class NativeBf16Ops:
         self._native_linear = bool(kernels.has_avx512_bf16())
 
     def prepare(self, weight: torch.Tensor) -> Weight:
-        if self._native_linear and weight.shape[1] % 2 == 0:
+        if self._native_linear and weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
             return pack_linear(weight)
         return weight
 

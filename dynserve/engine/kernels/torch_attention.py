@@ -183,7 +183,8 @@ def forward(
     if meta.backend_plan is None:
         meta.backend_plan = _plan(meta, block_size, query.device, _native_decode_kernel(query, kv_cache))
     plan: _Plan = meta.backend_plan
-    if plan.native_decode is not None and not plan.prefill_rows:  # decode rows only, in order: one call
+    if plan.native_decode is not None and not plan.prefill_rows and key.dtype == kv_cache.dtype:
+        # decode rows only, in order: the cache write and the attention in one call
         nd = plan.native_decode
         return nd.kernel.write_and_decode(query, key, value, kv_cache, layer, meta.slot_mapping, nd.block_tables,
                                           nd.seq_lens, scale)

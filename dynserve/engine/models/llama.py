@@ -76,24 +76,27 @@ class LlamaForCausalLM(nn.Module):
     def step_ops(self) -> StepOps:
         """The ops this model runs on, chosen and its linear weights prepared on first use."""
         if self._ops is None:
-            ops = select_ops(self.dtype, self.embed_tokens.device)
+            ops = select_ops(self.embed_tokens.dtype, self.embed_tokens.device)
             with torch.no_grad():
-                self._weights = [
-                    (self._prepare(ops, layer.qkv_proj), self._prepare(ops, layer.o_proj),
-                     self._prepare(ops, layer.gate_up_proj), self._prepare(ops, layer.down_proj))
-                    for layer in self.layers
-                ]
-                # tied to the embedding, which lookups still read: a packed LM head is a second copy
-                self._lm_head_weight = self._prepare(ops, self.lm_head, release=self.lm_head is not self.embed_tokens)
+                weights = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
+                prepared = [tuple(ops.prepare(w) for w in four) for four in weights]
+                lm_head = ops.prepare(self.lm_head)
+            # only once everything is prepared (a failure leaves the model as it was): drop the originals of
+            # packed copies; the LM head tied to the embedding stays, lookups read it
+            for four, done in zip(weights, prepared, strict=True):
+                for weight, copy in zip(four, done, strict=True):
+                    self._release(weight, copy)
+            if self.lm_head is not self.embed_tokens:
+                self._release(self.lm_head, lm_head)
+            self._weights = prepared  # type: ignore[assignment]
+            self._lm_head_weight = lm_head
             self._ops = ops
         return self._ops
 
     @staticmethod
-    def _prepare(ops: StepOps, weight: torch.Tensor, release: bool = True) -> Weight:
-        prepared = ops.prepare(weight)
-        if release and prepared is not weight:
+    def _release(weight: torch.Tensor, prepared: Weight) -> None:
+        if prepared is not weight:
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
-        return prepared
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy weights named as in Hugging Face Llama checkpoints, fusing Q/K/V and gate/up (before the model

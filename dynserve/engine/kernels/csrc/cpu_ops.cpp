@@ -30,6 +30,7 @@ inline float to_f32(at::BFloat16 v) {
 inline at::BFloat16 to_bf16(float f) { return at::BFloat16(f); }  // round to nearest even
 
 void check_bf16_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
   TORCH_CHECK(t.scalar_type() == torch::kBFloat16, name, ": bf16 only");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": needs a [rows, cols] tensor with contiguous rows");
 }
@@ -130,7 +131,7 @@ void linear_panels(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat
 bool cpu_has_avx512_bf16() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512bf16");
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 #else
 bool cpu_has_avx512_bf16() { return false; }
@@ -148,7 +149,8 @@ bool has_avx512_bf16() {
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features, bool fp32_out) {
   check_bf16_rows(x, "linear");
   TORCH_CHECK(has_avx512_bf16(), "linear: needs a CPU with AVX512-BF16");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.dim() == 4 &&
                   packed.size(2) == 16 && packed.size(3) == 2,
               "linear: the weight must be packed by pack_linear");
   const int64_t M = x.size(0), K = x.size(1), num_panels = packed.size(0), K2 = packed.size(1);
@@ -194,6 +196,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "rms_norm: bf16 weight");
   x = x.contiguous();
   const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.numel() == H, "rms_norm: ", weight.numel(), " weights for rows of ", H);
   auto out = torch::empty_like(x);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = weight.data_ptr<at::BFloat16>();
@@ -212,6 +215,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "add_rms_norm: bf16 weight");
   x = x.contiguous();
   const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK(weight.numel() == H, "add_rms_norm: ", weight.numel(), " weights for rows of ", H);
   auto out = torch::empty_like(x);
   const auto* xp = x.data_ptr<at::BFloat16>();
   auto* rp = residual.data_ptr<at::BFloat16>();

@@ -249,6 +249,25 @@ void write_rows(const S* key, const S* value, T* cache, const int64_t* slots, in
   }
 }
 
+// Every row's context fits its block table, every block it uses is in the cache, and the layer exists: the
+// kernel reads (and write_and_decode writes) through them without further checks.
+void check_metadata(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& block_tables,
+                    const torch::Tensor& seq_lens) {
+  TORCH_CHECK(kv_cache.device().is_cpu(), "paged_decode: a CPU cache");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "paged_decode: layer ", layer, " out of range");
+  const int64_t num_blocks = kv_cache.size(0), block_size = kv_cache.size(3), max_blocks = block_tables.size(1);
+  const auto* tables = block_tables.data_ptr<int32_t>();
+  const auto* lens = seq_lens.data_ptr<int32_t>();
+  for (int64_t i = 0; i < seq_lens.size(0); ++i) {
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "paged_decode: context length ", lens[i],
+                " does not fit its block table");
+    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[i * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: block ", block, " out of range");
+    }
+  }
+}
+
 torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t layer,
                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   const auto cache_type = kv_cache.scalar_type();
@@ -268,6 +287,7 @@ torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t
   TORCH_CHECK(kv_cache.size(5) == lay.head_dim && lay.num_heads % lay.num_kv_heads == 0,
               "paged_decode: bad shapes");
   TORCH_CHECK(seq_lens.size(0) == num_seqs && block_tables.size(0) == num_seqs, "paged_decode: bad rows");
+  check_metadata(kv_cache, layer, block_tables, seq_lens);
   lay.group = lay.num_heads / lay.num_kv_heads;
   auto out = torch::zeros_like(query);
   const float s = static_cast<float>(scale);
@@ -304,6 +324,11 @@ torch::Tensor write_and_decode(torch::Tensor query, torch::Tensor key, torch::Te
   TORCH_CHECK(key.dim() == 3 && key.size(1) == kv_cache.size(4) && key.size(2) == kv_cache.size(5) &&
                   key.sizes() == value.sizes() && key.size(0) == query.size(0),
               "write_and_decode: key/value shapes");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.device().is_cpu(), "write_and_decode: a CPU cache of rank 6");
+  TORCH_CHECK(kv_cache.stride(5) == 1 && kv_cache.stride(4) == kv_cache.size(5) &&
+                  kv_cache.stride(3) == kv_cache.size(4) * kv_cache.size(5),
+              "write_and_decode: a token's keys must be dense");
+  TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "write_and_decode: layer ", layer, " out of range");
   key = key.contiguous();
   value = value.contiguous();
   slot_mapping = slot_mapping.contiguous();
