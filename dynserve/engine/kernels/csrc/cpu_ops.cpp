@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -20,14 +19,9 @@
 
 namespace {
 
-inline float to_f32(at::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline at::BFloat16 to_bf16(float f) { return at::BFloat16(f); }  // round to nearest even
+// at::BFloat16 converts to float by shifting its bits (exact) and from float by rounding to nearest even
+inline float to_f32(at::BFloat16 v) { return static_cast<float>(v); }
+inline at::BFloat16 to_bf16(float f) { return at::BFloat16(f); }
 
 void check_bf16_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, ": CPU tensors only");
@@ -188,15 +182,19 @@ inline void rms_norm_row(const at::BFloat16* __restrict__ in, const at::BFloat16
   for (int64_t i = 0; i < H; ++i) out[i] = to_bf16(to_f32(in[i]) * inv * to_f32(weight[i]));
 }
 
+void check_norm_weight(const torch::Tensor& weight, int64_t H, const char* name) {
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), name, ": bf16 weight");
+  TORCH_CHECK(weight.numel() == H, name, ": ", weight.numel(), " weights for rows of ", H);
+}
+
 }  // namespace
 
 // RMSNorm of each row of bf16 x [M, H] with weight [H].
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_bf16_rows(x, "rms_norm");
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "rms_norm: bf16 weight");
   x = x.contiguous();
   const int64_t M = x.size(0), H = x.size(1);
-  TORCH_CHECK(weight.numel() == H, "rms_norm: ", weight.numel(), " weights for rows of ", H);
+  check_norm_weight(weight, H, "rms_norm");
   auto out = torch::empty_like(x);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = weight.data_ptr<at::BFloat16>();
@@ -212,10 +210,9 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   check_bf16_rows(x, "add_rms_norm");
   check_bf16_rows(residual, "add_rms_norm");
   TORCH_CHECK(residual.is_contiguous() && x.sizes() == residual.sizes(), "add_rms_norm: shapes");
-  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), "add_rms_norm: bf16 weight");
   x = x.contiguous();
   const int64_t M = x.size(0), H = x.size(1);
-  TORCH_CHECK(weight.numel() == H, "add_rms_norm: ", weight.numel(), " weights for rows of ", H);
+  check_norm_weight(weight, H, "add_rms_norm");
   auto out = torch::empty_like(x);
   const auto* xp = x.data_ptr<at::BFloat16>();
   auto* rp = residual.data_ptr<at::BFloat16>();

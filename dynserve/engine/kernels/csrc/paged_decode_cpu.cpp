@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -24,13 +23,6 @@ bool has_avx512_bf16();                       // cpu_ops.cpp
 
 namespace {
 
-inline float as_f32(float v) { return v; }
-inline float as_f32(at::BFloat16 v) {
-  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
@@ -43,7 +35,7 @@ inline float dot(const float* __restrict__ a, const T* __restrict__ b, int64_t n
   float acc = 0.f;
   const int64_t len = D > 0 ? D : n;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < len; ++d) acc += a[d] * as_f32(b[d]);
+  for (int64_t d = 0; d < len; ++d) acc += a[d] * static_cast<float>(b[d]);
   return acc;
 }
 
@@ -51,7 +43,7 @@ template <int64_t D, typename T>
 inline void axpy(float* __restrict__ y, const T* __restrict__ x, float a, int64_t n) {
   const int64_t len = D > 0 ? D : n;
 #pragma omp simd
-  for (int64_t d = 0; d < len; ++d) y[d] += a * as_f32(x[d]);
+  for (int64_t d = 0; d < len; ++d) y[d] += a * static_cast<float>(x[d]);
 }
 
 // Asks for one KV head's rows of a block (`count` tokens, `row_bytes` each) ahead of their use: blocks are
