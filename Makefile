@@ -1,14 +1,22 @@
 # The two commands a new user needs: `make serve` and `make test`. Both set everything up first.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# What `make test-fast` leaves out: every test that needs one of these (markers come from the fixtures a
+# test reaches: tests/conftest.py; docs/testing.md lists them).
+HEAVY := model or ray or fleet or services or netns or install or fuzz
 
-.PHONY: setup test serve bench clean
+.PHONY: setup test test-fast serve bench clean
 
 setup:
 	@bash scripts/setup.sh
 
+# the whole suite, on two workers: the slowest files first (tests/conftest.py), each file on one worker
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
+
+# everything that needs none of the heavy parts, in about a minute
+test-fast: setup
+	$(PY) -m pytest -m "not ($(HEAVY))"
 
 serve: setup
 	$(VENV)/bin/dynctl serve

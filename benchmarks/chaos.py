@@ -60,9 +60,8 @@ kill, failures only among the requests in flight at that gateway; 0 leaked block
 
 The last stdout line is the JSON result (`failed_requests`, `recovery_s`, `ttft_p99_s` per fault,
 `leaked_blocks`, `targets_met`, ...); a copy goes to `benchmarks/results/chaos-<timestamp>.json`, and a
-timeline (requests/s, failures and TTFT, faults marked) to the `.png` next to it. `--quick` took 5.6 and
-7.1 minutes on this 2-core VM beside other work, most of it starting and stopping the four fleets (five in
-the full run).
+timeline (requests/s, failures and TTFT, faults marked) to the `.png` next to it. Most of a run goes to
+starting and stopping the four fleets (five in the full run).
 
 Measurements: `docs/benchmarks.md` (chaos).
 """

@@ -19,23 +19,16 @@ clock (a rate of 4 req/s is 4 per modelled second, 8 per real second at speedup 
 reported is modelled (the client's measurement times the speedup) unless its name ends in `_real_ms`.
 
 Targets, per request, in modelled time (the client checks them divided by the speedup):
-- **TTFT <= 1,000 ms.** The profile prefills a lone 3,000-token prompt in 261 ms (15.5 ms fixed, 0.080 ms a
-  token, 1.33e-6 ms an attention pair); moving its KV to a decode worker adds 7 ms (983 MB at 160 GB/s,
-  plus 1 ms). The target leaves room for about 3 prompts of queueing ahead of it.
+- **TTFT <= 1,000 ms**, which leaves room for a few prompts queued ahead of a lone prompt's prefill and its
+  KV's move to a decode worker.
 - **ITL <= 25 ms**, the mean inter-token latency of the request ((last token - first token) / 149, vLLM's
   TPOT), i.e. 40 tokens/s per user: an interactive target, where the speed of the stream is what the user
-  (or the agent reading it) waits on. A decode step takes 15.7 ms with one sequence (15.5 ms fixed, 0.071 ms
-  a sequence, 3.3e-5 ms a context token) and 21 ms with 32, so a worker that only decodes meets it at any
-  batch it holds. A step that also prefills a 3,000-token prompt takes 262-272 ms, and every sequence
-  decoding in it waits that long for its next token: in agg mode each prompt that lands on a worker stalls
-  that worker's decodes once, so the mean ITL grows with the rate (worked out below: past about 4 req/s on
-  four workers at this target). Decode workers of the disagg mode only decode. The price: only two of the
-  four workers prefill, and one completes at most about 4 prompts/s (8,192 tokens in a 686 ms step).
-  The target was 50 ms (20 tokens/s) before; there this workload is prefill-bound and the two modes tie
-  (see `docs/benchmarks.md`): NVIDIA's +30% for this model and workload is a gain in throughput per GPU
-  at a given interactivity, and it appears only where interactivity binds. Every run reports the goodputs
-  at 20, 25, 30, 40, 50 and 100 ms as well (`goodput_by_itl_target`), and `--slo-itl-ms 50` plays the old
-  target.
+  (or the agent reading it) waits on. A worker that only decodes meets it at any batch it holds; a step
+  that also prefills a 3,000-token prompt takes 262-272 ms, and every sequence decoding in it waits that
+  long for its next token. So in agg mode each prompt that lands on a worker stalls that worker's decodes
+  once, and the mean ITL grows with the rate; decode workers of the disagg mode only decode, at the price
+  of only two of the four workers prefilling. Every run also reports the goodputs at ITL targets of 20,
+  25, 30, 40, 50 and 100 ms (`goodput_by_itl_target`); `--slo-itl-ms 50` plays the earlier target.
 
 Goodput at a rate is the rate x the fraction of its counted requests that completed within both targets
 (requests per modelled second meeting both). A mode's goodput (`goodput_disagg`, `goodput_agg`) is its
@@ -57,36 +50,15 @@ TTFT p50 and ITL p50 per mode (wall-clock ms) and `outputs_identical`, every out
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.disagg [--quick]
 
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/disagg-<timestamp>.json`.
-`--quick` plays rates 4, 6 and 8 (around both modes' knees in the full run) for 10 modelled seconds each
-(3 of ramp) and 3 real prompts, in about 2 minutes, 70 s of which go to starting and stopping the four
-servers; its windows are too short for queues to build up fully, so past a knee its goodputs come out
-higher than the full run's. The full run plays 2 to 12 req/s for 25 s each (5 of ramp) and 8 real prompts,
-in about 5 minutes. `--rates`, `--prefill-workers`, `--decode-workers` and the `--slo-*` flags change the
-experiment; the defaults are the acceptance one.
+`--quick` plays rates 4, 6 and 8 for 10 modelled seconds each (3 of ramp) and 3 real prompts; its windows
+are too short for queues to build up fully, so past a knee its goodputs come out higher than the full
+run's. The full run plays 2 to 12 req/s for 25 s each (5 of ramp) and 8 real prompts. `--rates`,
+`--prefill-workers`, `--decode-workers` and the `--slo-*` flags change the experiment; the defaults are the
+acceptance one. Near its ceiling a mode's goodput swings from run to run (Poisson bursts stall some workers
+more than others), and with it the ratio: compare the median of 3 runs.
 
-Disaggregation wins where the ITL target is tight: aggregated workers stall every decode for 262-272 ms each
-time they prefill a 3,000-token prompt, and decode workers of the disaggregated mode never do. Under a
-loose ITL target the workload is prefill-bound (a prompt costs 251-261 ms of prefill and only 100-170 ms
-of decode time, 150 steps shared by 16-32 sequences), and aggregated mode prefills on all four workers
-against the disaggregated mode's two (each completes at most about 4 prompts/s), so the modes tie.
-
-What the profile allows, worked out from its step times (not measured): a step that prefills a prompt also
-decodes every running sequence, so a worker that prefills k prompts a second gives each of its sequences
-k + (1 - p k) / d tokens a second, p being a prefill step (265-269 ms) and d a decode step. At the stated
-25 ms (40 tokens a second) an aggregated worker, holding about 6 sequences near its bound (d = 16.5 ms),
-can prefill k <= 1.36 prompts a second: four carry about 5.4 req/s. Disaggregated, a prefill worker
-completes at most 1 / 0.2615 = 3.8 prompts a second, about 3.2 while its queue still leaves the 1 s TTFT
-(84% busy), and a decode worker (d = 17.5 ms) can take k <= 1.2 prompts a second of overflow: about
-2 x 3.2 + 2 x 1.2 = 8.8 req/s, 1.6x agg's ceiling (the overflow rule counts queued prompts, not ITL, so
-it can send the decode workers more prompts than they take at this target). At the old 50 ms (20 tokens
-a second, d = 18.7 ms at the 18 sequences of 3,075 tokens an aggregated worker holds at 10 req/s): k <= 2.55,
-so four aggregated workers carry about 10.2 req/s, and disaggregated about 2 x 3.2 + 2 x 2.23 = 10.9 req/s
-(decode workers holding twice the sequences, d = 22.5 ms), 1.07x agg's ceiling. The ceilings' ratio passes
-1.3 for ITL targets under about 32 ms. NVIDIA's +30% is a gain in throughput per GPU at a given
-interactivity, not at every target. Near its ceiling a mode's goodput swings from run to run (Poisson
-bursts stall some workers more than others), and with it the ratio: compare the median of 3 runs.
-
-The measurements, at this target and the old one, and their history: `docs/benchmarks.md` (disagg).
+What the profile allows each mode at each ITL target (worked out from its step times), the measurements at
+this target and the earlier one, and their history: `docs/benchmarks.md` (disagg).
 """
 
 from __future__ import annotations

@@ -35,10 +35,9 @@ a process of its own scrapes both endpoints every 50 ms during c32 (c32 lasts ab
 scrape every 15 s would never land in it); `off` is the baseline `benchmarks.metrics_cost` compares it
 with.
 
-This VM's speed swings by about ±30% between phases a few minutes long, and req/s and every process's CPU
-per request, the client's too, move with it: compare runs by the median of 3, and `added_p50_ms_c1` only
-against the direct mocker of the same run. At c32 the gateway, one process and so at most one core, is the
-bound ahead of the machine's two cores. The measurements and their history: `docs/benchmarks.md`.
+This VM's speed swings between phases a few minutes long, and req/s and every process's CPU per request,
+the client's too, move with it: compare runs by the median of 3, and `added_p50_ms_c1` only against the
+direct mocker of the same run. The measurements and their history: `docs/benchmarks.md` (frontend).
 """
 
 from __future__ import annotations
@@ -345,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from dynserve.config import Settings
     from dynserve.events.ray_plane import ACTOR_NAME, RAY_NAMESPACE
-    from dynserve.workers.mocker import launch_mocker
+    from dynserve.workers.worker import launch_mocker
 
     num_c32, num_c1 = (1000, 200) if args.quick else (2000, 500)
     servers = ["ours", "uvicorn"] if args.server == "both" else [args.server]

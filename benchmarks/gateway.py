@@ -11,14 +11,13 @@ next), on the same number of torch threads:
 
 Reported:
 - `gateway_tok_s`, `engine_tok_s` (generated tokens / wall time, the best of 2 rounds each, run
-  engine, gateway, engine, gateway so that drift in the machine's speed, which reaches ±30% between
-  consecutive minutes on this VM, hits both alike) and `throughput_ratio` (gateway / engine); every
-  round is listed in `*_tok_s_rounds`;
+  engine, gateway, engine, gateway so that drift in the machine's speed hits both alike) and
+  `throughput_ratio` (gateway / engine); every round is listed in `*_tok_s_rounds`;
 - `ttft_p50_added_ms`: the time the serving path adds before the first token, per request: the client's
   TTFT minus the worker's own arrival-to-first-token time for that very request (the worker records both
   on one monotonic clock), p50 over requests. This isolates HTTP, the gateway, tokenization and the
-  channel from queueing inside the engine, which at 16 in flight is seconds long and varies by ±10% from
-  run to run on this machine, far more than the few ms being measured;
+  channel from queueing inside the engine, which at 16 in flight is seconds long and varies from run to
+  run by far more than what is being measured;
 - `ttft_p50_ms_gateway` / `ttft_p50_ms_engine` (and their difference, `ttft_p50_diff_ms`) for reference;
 - `ttft_p50_added_ms_c1`: the same per-request measure at concurrency 1 with short prompts.
 
@@ -30,18 +29,11 @@ The last stdout line is the JSON result; a copy goes to `benchmarks/results/gate
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.gateway [--quick]
 
-What moves `ttft_p50_added_ms` (per-request timestamps in the gateway and the worker show it):
-- the way in: half the requests of a full run, and all of a quick one, are sent 16 at once; the first goes
-  alone and the engine starts on it at once, and the gateway takes the rest one after another (validation,
-  preprocessing, routing) while the engine computes beside it, so they leave it together, at the end of
-  its loop pass (see `WorkerConnection._send` for why they are not sent one by one);
-- the way out: the engine thread writes each step's tokens to the connection itself (`FrameWriter`), so
-  what remains is one wake-up of each process after it (gateway, client), and the work between them is well
-  under 0.1 ms;
-- so both hops are wake-ups and CPU contention with the engine on this machine's two cores: on this VM a
-  thread that sleeps for 0.2 ms wakes up to 4 ms late even on an idle machine, and the p50 of a full run is
-  set by requests arriving alone at a busy machine.
-The measurements, the experiments tried and their history: `docs/benchmarks.md` (gateway).
+Half the requests of a full run, and all of a quick one, are sent 16 at once: the gateway takes them one
+after another while the engine computes on the first, and sends them at the end of its loop pass
+(`WorkerConnection._send`); a step's tokens go out from the engine thread (`FrameWriter`). What moves
+`ttft_p50_added_ms` on each hop, the experiments tried and the measurements: `docs/benchmarks.md`
+(gateway).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ a fresh Ray.
 
 Reported: each run's c32 req/s and total CPU ms per request, the medians of each side, and
 `req_per_s_ratio` (median on / median off; the target is >= 0.95). Alternating spreads this VM's phases of
-speed (about ±30%, minutes long) over both sides alike; judge by the medians, never by one pair.
+speed (docs/benchmarks.md) over both sides alike; judge by the medians, never by one pair.
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.metrics_cost [--quick] [--runs N]
 

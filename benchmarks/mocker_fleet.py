@@ -27,7 +27,7 @@ from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, write_result
 from dynserve.config import Settings
 from dynserve.protocol import GenerateRequest, SamplingParams, WorkerInfo
 from dynserve.workers.channel import WorkerConnection
-from dynserve.workers.mocker import launch_mocker
+from dynserve.workers.worker import launch_mocker
 
 
 def _used_mib() -> float:

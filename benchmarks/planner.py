@@ -1,22 +1,19 @@
 """The planner against static fleets: one day of load replayed on simulated H100s, three ways.
 
 **The day** (`planner_trace.py`, seed 0): a diurnal curve from a trough at 10% of its peak (20 req/s) up to
-the peak at midday and back, plus three bursts of 20-35% of the peak where the seed puts them (10:30, 12:10
-and 18:40 for seed 0): peak / mean 2.9-3.1 at the planner's window (2.6 for the curve alone). Prompts are
-lognormal around 1,800 tokens (256-6,144; mean about 2,030), answers around 150 (32-512; mean about 163),
-each prompt unique (no prefix-cache hits). The day is played in `Plan.duration_s` modelled seconds (120 for
-`--quick`, 360 for the full run: one second is 12 or 4 minutes of the day), and at speedup S in that
-divided by S of wall time. `--trace FILE` replays a Mooncake JSONL trace instead, its span compressed to
-the same length, every request kept (rates scale with the compression: check the logged peak against this
-machine).
+the peak at midday and back, plus three bursts of 20-35% of the peak where the seed puts them. Prompts are
+lognormal around 1,800 tokens (256-6,144), answers around 150 (32-512), each prompt unique (no prefix-cache
+hits). The day is played in `Plan.duration_s` modelled seconds (120 for `--quick`, 360 for the full run:
+one second is 12 or 4 minutes of the day), and at speedup S in that divided by S of wall time. `--trace
+FILE` replays a Mooncake JSONL trace instead, its span compressed to the same length, every request kept
+(rates scale with the compression: check the logged peak against this machine).
 
 **The fleets**, each a fresh `dynctl serve --mocker llama-3.1-70b-h100-tp4 --mocker-speedup S`,
 disaggregated, kv router, and in all three modes a Prometheus scraping every second (the planner's reads
 cost the same everywhere) and `--disagg-max-prefill-queue 100000`: prompts wait for a prefill worker and
-never prefill on a decode worker, which is what the planner's capacity model assumes (with the default
-of 2, a prefill pool behind the load sends prompts to the decode workers, whose every decode then stalls
-for each 2,000-token prefill step; their throughput collapses, and so does the rate the planner reads,
-see docs/benchmarks.md):
+never prefill on a decode worker, which is what the planner's capacity model assumes (with the default,
+a prefill pool behind the load sends prompts to the decode workers, whose decodes then stall behind each
+prefill; docs/benchmarks.md):
 
 1. **planner**: `--planner --planner-mode sla`, from one prefill and one decode worker, each pool bounded
    by [1, the peak fleet's size], deciding every `Plan.interval_s` on a `Plan.window_s` read window;
@@ -34,13 +31,11 @@ most requests must meet needs a margin above them; at 20 ms a decode worker hold
 2,100 tokens, at 25 ms about 68. With `--speedup S` the planner gets targets, interval and window divided
 by S (it scales its profile by S itself).
 
-Why these settings: at speedup 1 the busiest window streams about 4,400 tokens/s (27 req/s) through the
-gateway, well within what this 2-core machine carries beside the client and up to 9 mockers; every pool
-needs between 1 and 6 workers, so the mean fleet (2 + 1) is a real fraction of the peak fleet (5 + 3
-quick, 6 + 3 full). The planner reacts in about 8 s (a 4 s read window, a 2 s interval, 1-3 s to start a
-worker, plus the requests' own duration: the rate it reads counts requests as they finish), so the day
-must be long against that: the full run's 360 s leaves it room, the quick run's 120 s is about the
-shortest it keeps up with (docs/benchmarks.md).
+Why these settings: the busiest window stays within what this 2-core machine carries beside the client and
+the mockers, every pool needs a few workers, so the mean fleet is a real fraction of the peak fleet, and
+the day is long against the planner's reaction time (its read window, its interval, a worker's start and
+the requests' own duration: the rate it reads counts requests as they finish). The figures behind them:
+docs/benchmarks.md (planner).
 
 **Reported** (last stdout line, and `benchmarks/results/planner-<timestamp>.json`): `planner_attainment`,
 `peak_attainment`, `mean_attainment` (the fraction of the day's requests meeting both SLO targets),
@@ -54,8 +49,8 @@ the planner's decisions; and a PNG next to the JSON (`benchmarks/results/planner
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.planner [--quick] [--trace FILE]
 
-`--quick` takes about 7 minutes (three 2-minute replays; servers started and stopped), the full run about
-20. `--modes` runs a subset (ratios are then null); `--log-dir` keeps the servers' logs.
+`--quick` plays three 2-minute replays (servers started and stopped between them), the full run three of
+6 minutes. `--modes` runs a subset (ratios are then null); `--log-dir` keeps the servers' logs.
 
 Measurements: `docs/benchmarks.md` (planner).
 """
@@ -83,12 +78,15 @@ from benchmarks._dynctl import dynctl_serve
 from benchmarks._goodput import Slo
 from benchmarks._streaming import StreamedCompletion, completion_body, stream_completion
 from benchmarks.planner_trace import (
-    DayShape,
+    FULL_PLAN,
+    QUICK_PLAN,
+    Plan,
     TraceRequest,
     compress,
     generate,
     read_mooncake,
     summarize,
+    trace_shape,
     windowed_rates_per_s,
 )
 
@@ -101,24 +99,6 @@ POLL_PERIOD_S = 0.5
 NUM_WARM_UP = 4
 LATE_SEND_MS = 50.0
 NO_PREFILL_OVERFLOW = 100_000  # prompts wait for a prefill worker, never prefill on a decode worker
-
-
-@dataclass(frozen=True)
-class Plan:
-    duration_s: float  # the replayed day, in modelled seconds
-    peak_rate_per_s: float  # the day's curve at its peak, bursts left out (modelled requests/s)
-    interval_s: float  # the planner's decision interval (modelled seconds)
-    window_s: float  # the planner's read window (modelled); the trace's peak is its busiest such window
-    num_attainment_windows: int = 24  # attainment over time: one window per hour of the day
-
-
-FULL_PLAN = Plan(duration_s=360.0, peak_rate_per_s=20.0, interval_s=2.0, window_s=4.0)
-QUICK_PLAN = Plan(duration_s=120.0, peak_rate_per_s=20.0, interval_s=2.0, window_s=4.0)
-
-
-def trace_shape(*, quick: bool) -> DayShape:
-    plan = QUICK_PLAN if quick else FULL_PLAN
-    return DayShape(duration_s=plan.duration_s, peak_rate_per_s=plan.peak_rate_per_s)
 
 
 # ---- accounting (pure) -------------------------------------------------------------------------------------

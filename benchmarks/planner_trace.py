@@ -22,6 +22,9 @@ consecutive windows of the trace; its peak is the busiest window, so it depends 
 one sees more Poisson noise). `compress` rescales a trace's timestamps to a new span, keeping every request
 (rates scale by the same factor).
 
+**The benchmark's days** (`Plan`, `FULL_PLAN`, `QUICK_PLAN`, `trace_shape`): the length and peak of the day
+`benchmarks/planner.py` replays, and the planner's read window its peak is measured on.
+
     PYTHONPATH=$PWD python -m benchmarks.planner_trace --seed 0 --output day.jsonl
 
 writes the trace the full benchmark generates (`--quick` the quick one's) and prints its summary.
@@ -41,9 +44,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DayShape", "LengthDistribution", "TraceRequest", "compress", "day_rate_per_s", "generate",
-           "mean_rate_per_s", "peak_rate_per_s", "read_mooncake", "summarize", "windowed_rates_per_s",
-           "write_mooncake"]
+__all__ = ["FULL_PLAN", "QUICK_PLAN", "DayShape", "LengthDistribution", "Plan", "TraceRequest", "compress",
+           "day_rate_per_s", "generate", "mean_rate_per_s", "peak_rate_per_s", "read_mooncake", "summarize",
+           "trace_shape", "windowed_rates_per_s", "write_mooncake"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +137,30 @@ def generate(shape: DayShape, seed: int) -> list[TraceRequest]:
             requests.append(TraceRequest(round(t_s * 1000.0), shape.isl.draw(rng), shape.osl.draw(rng)))
 
 
+# ---- the benchmark's days ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run of the planner benchmark (`benchmarks/planner.py`): the day it replays, the planner's clock."""
+
+    duration_s: float  # the replayed day, in modelled seconds
+    peak_rate_per_s: float  # the day's curve at its peak, bursts left out (modelled requests/s)
+    interval_s: float  # the planner's decision interval (modelled seconds)
+    window_s: float  # the planner's read window (modelled); the trace's peak is its busiest such window
+    num_attainment_windows: int = 24  # attainment over time: one window per hour of the day
+
+
+FULL_PLAN = Plan(duration_s=360.0, peak_rate_per_s=20.0, interval_s=2.0, window_s=4.0)
+QUICK_PLAN = Plan(duration_s=120.0, peak_rate_per_s=20.0, interval_s=2.0, window_s=4.0)
+
+
+def trace_shape(*, quick: bool) -> DayShape:
+    """The day the planner benchmark generates (`--quick`: the quick run's, shorter)."""
+    plan = QUICK_PLAN if quick else FULL_PLAN
+    return DayShape(duration_s=plan.duration_s, peak_rate_per_s=plan.peak_rate_per_s)
+
+
 # ---- Mooncake's format -------------------------------------------------------------------------------------
 
 
@@ -216,8 +243,6 @@ def summarize(requests: Sequence[TraceRequest], duration_s: float, window_s: flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.planner import FULL_PLAN, QUICK_PLAN, trace_shape  # the benchmark owns its trace's shape
-
     parser = argparse.ArgumentParser(prog="python -m benchmarks.planner_trace",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)

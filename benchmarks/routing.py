@@ -26,22 +26,13 @@ used, wall time and load average; then `ttft_ratio_rr_over_kv` and `ttft_ratio_s
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.routing --phases kv kv:4 kv:8 rr   # overlap weights
 
 The load generator is this process. The last stdout line is the JSON result; a copy goes to
-`benchmarks/results/routing-<timestamp>.json`. `--quick` (about 95 s on a quiet machine; the full run about
-175 s) plays 16 conversations of 5 turns instead of 48 of 6.
+`benchmarks/results/routing-<timestamp>.json`. `--quick` plays 16 conversations of 5 turns instead of 48 of
+6: the full run loads the workers enough for placement to matter, the quick run's load is too light for it.
 
-The full run loads the workers enough for placement to matter. The quick run's load is too light: both kv
-and sglang keep each conversation on its worker and TTFT is the prefill itself, so the two tie there.
-
-A request in flight counts all its KV in the load term (about 100 blocks for a 1,500-token chat), while a
-follow-up turn saves only its history since the system prompt (12-60 blocks): at overlap weight 1 the
-router left a conversation's worker whenever that worker had one request more in flight than another, and
-a hot-spot guard that fires on a few requests' imbalance moves follow-up turns off their history (hence
-the defaults, `Settings.overlap_weight` and `router_hot_spot_*`). sglang's cache_aware policy never
-balances at these loads (its threshold is 64 requests of difference): it keeps every conversation, and
-every system prompt, on one worker, so half the workers sit idle; TTFT does not suffer at this load,
-decode does.
-
-The measurements (TTFT p50 and p90, cache hit, history hit, by router and setting) and their history:
+A request in flight counts all its KV in the load term while a follow-up turn saves only its history since
+the system prompt, which is why the defaults weigh overlap well above load (`Settings.overlap_weight`) and
+keep the hot-spot guard for real hot spots (`router_hot_spot_*`). What each router did at these loads, the
+measurements (TTFT p50 and p90, cache hit, history hit, by router and setting) and their history:
 `docs/benchmarks.md` (routing).
 """
 

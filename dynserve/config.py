@@ -127,15 +127,14 @@ class Settings(BaseSettings):
         json_schema_extra=_CLUSTER)
     # A block to prefill costs the new request far more time than a block another request holds while it
     # decodes: at 1 the load term wins and follow-up turns leave the worker holding their history (in
-    # benchmarks.routing, multi-turn chats on 8 mockers, they went back to it 41% of the time at 1 and
-    # every time at 8 with the hot-spot guard below; the runs: docs/benchmarks.md).
+    # benchmarks.routing they went back to it 41% of the time at 1, every time at 8; docs/benchmarks.md).
     overlap_weight: float = Field(8.0, ge=0, description="kv router: weight of blocks to prefill against load "
                                   "(blocks in flight)", json_schema_extra=_CLUSTER)
     router_temperature: float = Field(0.0, ge=0, description="kv router: 0 picks the cheapest worker, more "
                                       "samples among near-equal ones", json_schema_extra=_CLUSTER)
     # The guard is for a popular prefix piling up on one worker, not for the imbalance a few requests make:
-    # at 1.5 and 256 blocks it fired with 3 requests on a worker of 8 (10 in flight) and moved follow-up
-    # turns off the worker holding their history (benchmarks.routing; the runs: docs/benchmarks.md).
+    # set lower, it fires on a few requests in flight and moves follow-up turns off the worker holding their
+    # history (benchmarks.routing; docs/benchmarks.md).
     router_hot_spot_ratio: float = Field(
         2.0, gt=1, description="kv/approximate router: when the busiest candidate has more than this times "
         "the mean active blocks (and at least router_hot_spot_min_blocks), pick the least loaded whatever it "
@@ -205,8 +204,9 @@ class Settings(BaseSettings):
                                                  "UCX_NET_DEVICES unless already set (one host: 'lo'); "
                                                  "default: UCX's choice", json_schema_extra=_TRANSFER)
     transfer_progress_thread: bool = Field(False, description="nixl: run NIXL's own UCX progress thread (it "
-                                           "polls without pause: on a few CPU cores it halves read bandwidth); "
-                                           "off, the connector progresses UCX every transfer_progress_interval_s",
+                                           "polls without pause, taking the CPU that reads need on a machine of "
+                                           "few cores); off, the connector progresses UCX every "
+                                           "transfer_progress_interval_s",
                                            json_schema_extra=_TRANSFER)
     transfer_progress_interval_s: float = Field(0.005, gt=0, description="nixl: how often the connector "
                                                 "progresses UCX for peers' connections and notifications when "

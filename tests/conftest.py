@@ -1,18 +1,27 @@
-"""Shared test fixtures: one loaded model per session, a factory for engines that share it, and the
-Hugging Face reference model for parity tests.
+"""Shared test fixtures, and the suite's markers, derived from the fixtures each test reaches.
 
-TRITON_INTERPRET must be set before anything imports triton, so it is set here, first.
+Every expensive fixture says what it needs with `@needs(...)`: the real model's weights (`model`), Ray
+(`ray`), a serving fleet of processes (`fleet`: `dynctl serve`, a mocker server, pools of workers), real
+Redis or Prometheus (`services`), hosts made of network namespaces (`netns`), a fresh `pip install`
+(`install`), a fuzzer's budget (`fuzz`). A test is marked with everything its fixtures need, directly or
+through other fixtures, so `-m "not model"` and `make test-fast` (none of them) need no hand-kept list.
+
+Collection imports no torch and loads no weights: the model, the engine and Ray are imported by the
+fixtures that need them. TRITON_INTERPRET must be set before anything imports triton, so it is set here,
+first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -23,27 +32,166 @@ os.environ.setdefault("DYN_ADVERTISE_HOST", "127.0.0.1")
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
-from typing import Any  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, Any, TypeVar  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
+from hypothesis import settings as hypothesis_settings  # noqa: E402
 
 from dynserve.config import Settings  # noqa: E402
-from dynserve.engine.llm_engine import LLMEngine, LoadedModel, load_model  # noqa: E402
 from dynserve.model.resolve import default_model_path  # noqa: E402
 
-EngineFactory = Callable[..., LLMEngine]
+if TYPE_CHECKING:
+    from dynserve.engine.llm_engine import LLMEngine, LoadedModel
+
+REPO = Path(__file__).resolve().parent.parent
+
+# ---- markers from fixtures -------------------------------------------------------------------------------
+
+MARKERS = {
+    "model": "loads the real model's weights (in the test process or in a worker)",
+    "ray": "needs Ray: the test run's instance, or one the test starts",
+    "fleet": "starts a serving fleet of processes: dynctl serve, a mocker server, pools of workers",
+    "services": "starts a real Redis or Prometheus server",
+    "netns": "builds hosts out of network namespaces (root)",
+    "install": "pip-installs the package into a fresh virtualenv",
+    "fuzz": "runs a fuzzer's budget of generated requests",
+}
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def needs(*markers: str) -> Callable[[F], F]:
+    """Declare what a fixture needs (keys of MARKERS): every test that reaches it is marked so."""
+    unknown = set(markers) - set(MARKERS)
+    assert not unknown, f"unknown markers {unknown}: declare them in MARKERS"
+
+    def declare(fixture: F) -> F:
+        fixture._dynserve_needs = frozenset(markers)  # type: ignore[attr-defined]
+        return fixture
+
+    return declare
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--ray-address", default=None,
+                     help="run the tests that are not about starting Ray on this Ray cluster instead of a "
+                          "local one started for the test run")
+    parser.addoption("--fuzz-profile", default=os.environ.get("DYN_FUZZ_PROFILE", "ci"), choices=["ci", "thorough"],
+                     help="the fuzzers' budget: 'ci' (make test) or 'thorough' (1,000+ requests; benchmarks, "
+                          "nightly runs); env: DYN_FUZZ_PROFILE")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def _needs_of(item: pytest.Item) -> set[str]:
+    info = getattr(item, "_fixtureinfo", None)
+    found: set[str] = set()
+    if info is None:
+        return found
+    for name in item.fixturenames:  # the whole closure: fixtures reached through other fixtures too
+        for definition in info.name2fixturedefs.get(name, ()):
+            found |= getattr(definition.func, "_dynserve_needs", frozenset())
+    return found
+
+
+# The test files that cost most, slowest first (docs/testing.md): run first, so that with several workers
+# (`-n`) the long ones start at once and the short ones fill in at the end.
+SLOWEST_FIRST = [
+    "test_multihost.py", "test_hf_parity.py", "test_planner_live.py", "test_disagg.py", "test_packaging.py",
+    "test_migration.py", "test_engine.py", "test_observability.py", "test_pool.py", "test_routing.py",
+    "test_mocker.py", "test_operator_pods.py", "test_gateway.py", "test_fuzz.py", "test_cli_serve.py",
+    "test_http_limits.py", "test_deploy_cli.py", "test_admission.py", "test_channel.py", "test_events.py",
+    "test_security.py", "test_recovery.py",
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        for marker in sorted(_needs_of(item)):
+            item.add_marker(marker)
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    # a stable sort of whole files: a file's tests keep their order, so its module fixtures are built once
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+class LazyModule:
+    """A module imported on first use: test modules of torch code name `torch` (or an engine module) at the
+    top and still import nothing heavy while pytest collects them. Only reading goes through it: patch a module
+    by its dotted name (`monkeypatch.setattr("package.module.NAME", value)`)."""
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "_name", name)
+
+    def _module(self) -> Any:
+        import importlib
+
+        return importlib.import_module(object.__getattribute__(self, "_name"))
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute.startswith("_"):  # what collection asks of every object (`__test__`, `_mock_name`)
+            raise AttributeError(attribute)
+        return getattr(self._module(), attribute)
+
+    def __setattr__(self, attribute: str, value: Any) -> None:
+        raise TypeError(f"set {attribute!r} on the module itself, not on its lazy name")
+
+
+def lazy_import(name: str) -> Any:
+    return LazyModule(name)
+
+
+# ---- fuzzing budget ----------------------------------------------------------------------------------------
+
+def _commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+# A seed derived from the commit: a run is reproducible, and the search moves on from commit to commit.
+FUZZ_SEED = int(hashlib.sha256(_commit().encode()).hexdigest()[:12], 16)
 
 
 @pytest.fixture(scope="session")
+@needs("fuzz")
+def fuzz_budget(request: pytest.FixtureRequest) -> Callable[[int], hypothesis_settings]:
+    """fuzz_budget(thorough_examples) -> Hypothesis settings: the thorough profile's count, or a quarter of it
+    (at least 20) in make test; seeded from the commit (`FUZZ_SEED`), with no example database."""
+    thorough = request.config.getoption("--fuzz-profile") == "thorough"
+
+    def budget(thorough_examples: int) -> hypothesis_settings:
+        from hypothesis import HealthCheck
+
+        examples = thorough_examples if thorough else max(20, thorough_examples // 4)
+        return hypothesis_settings(max_examples=examples, deadline=None, database=None, derandomize=False,
+                                   suppress_health_check=list(HealthCheck))
+
+    return budget
+
+
+# ---- the model -------------------------------------------------------------------------------------------
+
+EngineFactory = Callable[..., "LLMEngine"]
+
+
+@pytest.fixture(scope="session")
+@needs("model")
 def loaded_model() -> LoadedModel:
     """SmolLM2-135M-Instruct, fp32 on CPU, loaded once for the whole session."""
+    from dynserve.engine.llm_engine import load_model
+
     return load_model(Settings(dtype="float32", device="cpu"))
 
 
 @pytest.fixture(scope="session")
 def make_engine(loaded_model: LoadedModel) -> EngineFactory:
     """Build an engine (its own KV cache and scheduler) over the shared model: make_engine(kv_blocks=64)."""
+    from dynserve.engine.llm_engine import LLMEngine
 
     def factory(**overrides: Any) -> LLMEngine:
         settings = Settings(**{"dtype": "float32", "device": "cpu", "kv_blocks": 512, **overrides})
@@ -53,13 +201,18 @@ def make_engine(loaded_model: LoadedModel) -> EngineFactory:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(loaded_model: LoadedModel):  # type: ignore[no-untyped-def]
-    return loaded_model.tokenizer
+def tokenizer() -> Any:
+    """The default model's tokenizer, read from its GGUF file (no weights)."""
+    from dynserve.model.tokenizer import Tokenizer
+
+    return Tokenizer.load(default_model_path())
 
 
 @pytest.fixture(scope="session")
+@needs("model")
 def hf_model() -> Any:
     """Hugging Face transformers' model loaded from the same GGUF file (the parity reference)."""
+    import torch
     import transformers
 
     path = default_model_path()
@@ -72,11 +225,19 @@ def hf_model() -> Any:
 # ---- serving: one Ray instance, one engine worker, gateways over it ------------------------------------
 
 @pytest.fixture(scope="session")
-def ray_instance() -> Any:
-    """A local Ray instance for the session (small object store, no dashboard, no auth token)."""
+@needs("ray")
+def ray_instance(request: pytest.FixtureRequest) -> Any:
+    """The test run's Ray: the cluster `--ray-address` names, else a local instance started for the run
+    (small object store, no dashboard, no auth token)."""
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 
+    address = request.config.getoption("--ray-address")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        yield ray
+        ray.shutdown()
+        return
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
              _temp_dir=temp_dir)
@@ -86,6 +247,7 @@ def ray_instance() -> Any:
 
 
 @pytest.fixture(scope="session")
+@needs("model")
 def worker(ray_instance: Any) -> Any:
     """One engine worker actor (fp32, 512 KV blocks of 16 tokens) publishing its KV events on the embedded
     event plane; returns (handle, WorkerInfo)."""
@@ -124,7 +286,8 @@ def make_gateway(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
-def gateway(make_gateway: GatewayFactory) -> Any:
+def gateway(make_gateway: GatewayFactory, worker: Any) -> Any:
+    """A gateway over the session's model worker."""
     return make_gateway()
 
 
@@ -139,11 +302,12 @@ def client(gateway: Any) -> Any:
 # ---- mockers: simulated workers (no model) on the session's Ray -------------------------------------
 
 @pytest.fixture(scope="session")
+@needs("fleet")
 def make_mocker(ray_instance: Any) -> Any:
     """Start a mocker worker actor: make_mocker("m0", mocker_speedup=10, kv_blocks=256) -> (handle, WorkerInfo);
     `role="prefill"` or `"decode"` for disaggregated serving.
     Mockers publish their KV events on the embedded event plane; all are killed at the end of the session."""
-    from dynserve.workers.mocker import launch_mocker
+    from dynserve.workers.worker import launch_mocker
 
     handles = []
 
@@ -159,6 +323,7 @@ def make_mocker(ray_instance: Any) -> Any:
 
 
 @pytest.fixture(scope="session")
+@needs("services")
 def redis_url() -> Iterator[str]:
     """A real redis-server on a free 127.0.0.1 port for the session, stopped by PID at the end."""
     binary = shutil.which("redis-server")
@@ -205,6 +370,20 @@ async def replay_event_plane() -> tuple[Any, list[str]]:
 
 
 # ---- child processes: `dynctl serve` and standalone servers -----------------------------------------------
+
+@pytest.fixture(scope="session")
+@needs("fleet")
+def dynctl() -> str:
+    """The `dynctl` command of this virtualenv, for tests that start a server or a fleet with it."""
+    return str(Path(sys.executable).parent / "dynctl")
+
+
+@pytest.fixture(scope="session")
+@needs("fleet", "ray")
+def dynctl_serve() -> Callable[..., contextlib.AbstractContextManager[Served]]:
+    """`local_dynctl_serve`, for tests that start a whole `dynctl serve` (with a local Ray of its own)."""
+    return local_dynctl_serve
+
 
 def wait_for_line(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
     """What `process` wrote to stderr up to the first line containing `marker` (it must stay alive)."""
@@ -270,3 +449,17 @@ def local_dynctl_serve(command: list[str], timeout_s: float, env: dict[str, str]
         finally:
             shutil.rmtree(ray_tmp, ignore_errors=True)
     served.code, served.rest = code, rest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> None:
+    """A fixture that needs something (`needs`) is set up only for a test marked with it: a test that reaches
+    it dynamically (`request.getfixturevalue`) must declare it statically too, or `-m` would let it through."""
+    needed = getattr(fixturedef.func, "_dynserve_needs", frozenset())
+    item = getattr(request, "_pyfuncitem", None)
+    if not needed or item is None:
+        return
+    missing = needed - {marker.name for marker in item.iter_markers()}
+    if missing:
+        pytest.fail(f"{item.nodeid} reaches fixture {fixturedef.argname!r}, which needs {sorted(missing)}, without "
+                    "asking for it by name: take it as an argument, or mark the parameter that reaches it", False)

@@ -1,4 +1,4 @@
-"""The worker channel and the worker actor's two ways of streaming (TCP channel, Ray streaming generator)."""
+"""The worker channel: its frames, both of its ends, and a worker actor streaming over it."""
 
 from __future__ import annotations
 
@@ -218,17 +218,15 @@ def _channel_run(info: WorkerInfo, requests: list[GenerateRequest]) -> list[list
     return asyncio.run(scenario())
 
 
-def test_channel_streams_and_ray_generator_agree(worker: Any, tokenizer: Any) -> None:
-    import ray
-
-    handle, info = worker
+def test_channel_streams_what_the_engine_generates_offline(worker: Any, tokenizer: Any,
+                                                           make_engine: Any) -> None:
+    _, info = worker
     prompt = tokenizer.encode("The quick brown fox")
     (via_channel,) = _channel_run(info, [GenerateRequest(request_id="chan-1", token_ids=prompt, params=GREEDY)])
     assert via_channel[-1].finished and via_channel[-1].num_output_tokens == 8
-    refs = handle.generate.remote(GenerateRequest(request_id="ray-1", token_ids=prompt, params=GREEDY))
-    via_ray = [ray.get(ref) for ref in refs]
-    assert [t for d in via_ray for t in d.token_ids] == [t for d in via_channel for t in d.token_ids]
-    assert "".join(d.text for d in via_ray) == "".join(d.text for d in via_channel)
+    offline = make_engine().generate([prompt], GREEDY)[0]
+    assert [t for d in via_channel for t in d.token_ids] == offline.token_ids
+    assert "".join(d.text for d in via_channel) == offline.text
 
 
 def test_many_requests_share_one_connection(worker: Any, tokenizer: Any) -> None:

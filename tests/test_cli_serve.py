@@ -6,9 +6,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
-from conftest import local_dynctl_serve
 
 DYNCTL = str(Path(sys.executable).parent / "dynctl")
 
@@ -26,9 +26,9 @@ def test_bad_flag_values_exit_2_with_a_message() -> None:
     assert done.returncode == 2 and "--port" in done.stderr
 
 
-def test_serve_answers_chat_and_stops_on_ctrl_c() -> None:
+def test_serve_answers_chat_and_stops_on_ctrl_c(dynctl_serve: Any) -> None:
     env = {**os.environ, "DYN_KV_BLOCKS": "256", "DYN_API_KEY": "k3y"}
-    with local_dynctl_serve([DYNCTL, "serve", "--port", "0"], 240, env) as served:
+    with dynctl_serve([DYNCTL, "serve", "--port", "0"], 240, env) as served:
         port = served.port
         assert f"http://localhost:{port}/v1" in served.banner and "curl" in served.banner
         assert "k3y" not in served.banner

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
+from conftest import lazy_import
 
-from dynserve.engine.kernels import AttentionMetadata, cpu_native, cpu_ops, torch_attention
+torch = lazy_import("torch")
+kernels = lazy_import("dynserve.engine.kernels")
+cpu_native = lazy_import("dynserve.engine.kernels.cpu_native")
+cpu_ops = lazy_import("dynserve.engine.kernels.cpu_ops")
+torch_attention = lazy_import("dynserve.engine.kernels.torch_attention")
 
 
 @pytest.fixture(scope="module")
@@ -27,15 +31,15 @@ def test_decode_kernel_matches_torch_path(kernel, monkeypatch, num_heads, num_kv
         count = -(-n // block_size)
         tables.append(order[used : used + count])
         used += count
-    meta = AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
+    meta = kernels.AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, block_size)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
     key = torch.randn(len(seq_lens), num_kv_heads, head_dim, generator=g)
     value = torch.randn(len(seq_lens), num_kv_heads, head_dim, generator=g)
 
-    monkeypatch.setattr(torch_attention, "USE_NATIVE_DECODE", False)
+    monkeypatch.setattr("dynserve.engine.kernels.torch_attention.USE_NATIVE_DECODE", False)
     ref_cache = cache.clone()
     expected = torch_attention.forward(query, key, value, ref_cache, 1, meta, head_dim**-0.5)
-    monkeypatch.setattr(torch_attention, "USE_NATIVE_DECODE", True)
+    monkeypatch.setattr("dynserve.engine.kernels.torch_attention.USE_NATIVE_DECODE", True)
     meta.backend_plan = None
     actual = torch_attention.forward(query, key, value, cache, 1, meta, head_dim**-0.5)
     assert torch.equal(cache, ref_cache)
@@ -50,15 +54,15 @@ def test_bf16_decode_kernel_writes_and_attends_as_the_torch_path(kernel, monkeyp
     seq_lens = [17, 2, 40, 33, 64][:num_rows]
     order = torch.randperm(num_blocks, generator=g).tolist()
     tables = [order[4 * i : 4 * i + 4] for i in range(num_rows)]
-    meta = AttentionMetadata.build([1] * num_rows, seq_lens, tables, block_size)
+    meta = kernels.AttentionMetadata.build([1] * num_rows, seq_lens, tables, block_size)
     # strided views of one fused projection, as the model hands them over
     qkv = torch.randn(num_rows, (9 + 6) * 64, generator=g).bfloat16()
     query, key, value = qkv[:, :576].view(-1, 9, 64), qkv[:, 576:768].view(-1, 3, 64), qkv[:, 768:].view(-1, 3, 64)
 
-    monkeypatch.setattr(torch_attention, "USE_NATIVE_DECODE", False)
+    monkeypatch.setattr("dynserve.engine.kernels.torch_attention.USE_NATIVE_DECODE", False)
     ref_cache = cache.clone()
     expected = torch_attention.forward(query, key, value, ref_cache, 1, meta, 0.125)
-    monkeypatch.setattr(torch_attention, "USE_NATIVE_DECODE", True)
+    monkeypatch.setattr("dynserve.engine.kernels.torch_attention.USE_NATIVE_DECODE", True)
     meta.backend_plan = None
     actual = torch_attention.forward(query, key, value, cache, 1, meta, 0.125)
     assert meta.backend_plan.native_decode is not None
@@ -169,5 +173,5 @@ def test_select_ops_takes_the_kernels_for_bf16_on_cpu_only(kernel, monkeypatch) 
     cpu = torch.device("cpu")
     assert cpu_ops.select_ops(torch.bfloat16, cpu).name == "native-bf16"
     assert cpu_ops.select_ops(torch.float32, cpu).name == "torch"  # fp32 stays exactly eager torch
-    monkeypatch.setattr(cpu_ops, "USE_NATIVE_OPS", False)
+    monkeypatch.setattr("dynserve.engine.kernels.cpu_ops.USE_NATIVE_OPS", False)
     assert cpu_ops.select_ops(torch.bfloat16, cpu).name == "torch"

@@ -13,11 +13,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
+from conftest import lazy_import, needs
 
 from dynserve.config import Settings
 from dynserve.gateway.disagg import prefill_path
 from dynserve.protocol import RemotePrefill, SamplingParams, TokenDelta
+
+torch = lazy_import("torch")
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = SamplingParams(max_tokens=12, temperature=0)
@@ -182,6 +184,7 @@ REAL = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1,
 
 
 @pytest.fixture(scope="module")
+@needs('model')
 def real_pair(ray_instance: Any) -> Any:
     """A real prefill worker and a real decode worker (NIXL between them), in their own namespace."""
     from dynserve.workers.worker import launch_worker

@@ -23,7 +23,8 @@ _prefixes = itertools.count()
 PlaneFactory = Callable[..., EventPlane]
 
 
-@pytest.fixture(params=["redis", "memory", "embedded"])
+@pytest.fixture(params=[pytest.param("redis", marks=pytest.mark.services), "memory",
+                        pytest.param("embedded", marks=pytest.mark.ray)])
 def make_plane(request: pytest.FixtureRequest) -> Iterator[PlaneFactory]:
     """Build a plane inside the test's event loop: make_plane(max_len=...); each test gets its own keys
     (on Redis) or its own actor (embedded: a namespace of its own, the actor killed after the test)."""

@@ -23,19 +23,21 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import banner_port, stop_by_sigint, wait_for_line
-from hypothesis import HealthCheck, given, settings
+from conftest import FUZZ_SEED, banner_port, needs, stop_by_sigint, wait_for_line
+from hypothesis import given, seed
 from hypothesis import strategies as st
 
 MODEL = "SmolLM2-135M-Instruct"
 VOCAB_SIZE = 49152
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLES_PER_MODE = 260  # x 2 routes x 2 modes (valid, invalid): over 1,000 requests
-_FUZZ = settings(max_examples=EXAMPLES_PER_MODE, deadline=None, database=None, derandomize=True,
-                 suppress_health_check=list(HealthCheck))
+# The thorough profile's budget (`--fuzz-profile thorough`): 260 x 2 routes x 2 modes (valid, invalid), over
+# 1,000 requests, and 150 raw byte strings; `make test` runs a share of it (`fuzz_budget`), seeded by the commit.
+EXAMPLES_PER_MODE = 260
+RAW_EXAMPLES = 150
 
 
 @pytest.fixture(scope="module")
+@needs('fleet')
 def server() -> Iterator[str]:
     """A standalone mocker server on a free port; its base URL. Its stderr must show no traceback."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "DYN_WORKER_METRICS": "false", "DYN_MAX_QUEUE": "64"}
@@ -115,6 +117,7 @@ def _checks() -> list[Any]:
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_schemathesis_finds_no_server_error_and_no_answer_off_the_schema(server: str, schemas: dict[str, Any],
+                                                                          fuzz_budget: Any,
                                                                           path: str, mode: str) -> None:
     import requests
     from schemathesis import GenerationMode
@@ -125,7 +128,10 @@ def test_schemathesis_finds_no_server_error_and_no_answer_off_the_schema(server:
     statuses: list[int] = []
     refusals: list[str] = []
 
-    @_FUZZ
+    budget = fuzz_budget(EXAMPLES_PER_MODE)
+
+    @seed(FUZZ_SEED)
+    @budget
     @given(case=operation.as_strategy(generation_mode=GenerationMode(mode)))
     def fuzz(case: Any) -> None:
         response = case.call_and_validate(base_url=server, session=session, checks=checks, timeout=30)
@@ -134,7 +140,7 @@ def test_schemathesis_finds_no_server_error_and_no_answer_off_the_schema(server:
             refusals.append(response.json()["error"]["message"])
 
     fuzz()
-    assert len(statuses) >= EXAMPLES_PER_MODE
+    assert len(statuses) >= budget.max_examples
     if mode == "positive":  # most valid requests are served (the rest are refused by the preprocessing)
         assert sum(s == 200 for s in statuses) > len(statuses) // 2, refusals
     else:
@@ -185,13 +191,13 @@ def _send_raw(address: tuple[str, int], data: bytes) -> None:
             pass
 
 
-def test_raw_bytes_never_break_the_server(server: str) -> None:
+def test_raw_bytes_never_break_the_server(server: str, fuzz_budget: Any) -> None:
     host, port = server.removeprefix("http://").split(":")
     address = (host, int(port))
     client = httpx.Client(base_url=server, timeout=10)
 
-    @settings(max_examples=150, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @seed(FUZZ_SEED)
+    @fuzz_budget(RAW_EXAMPLES)
     @given(data=_raw_requests())
     def throw(data: bytes) -> None:
         _send_raw(address, data)

@@ -4,6 +4,7 @@ against a gateway started in the test, over a real Ray engine worker serving Smo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from typing import Any
@@ -371,3 +372,58 @@ def test_models_health_ready_openapi_metrics(gateway: Any, client: openai.OpenAI
                  "dynserve_inflight_requests", 'dynserve_gateway_worker_up{role="both",worker_id="w0"} 1.0'):
         assert name in text, name
     assert "dynserve_worker_kv" not in text  # a worker's own state is on the worker's port, not mirrored here
+
+
+# ---- every stream is its own ------------------------------------------------------------------------------
+
+def _own_stream_check(url: str, seed: int, stop_after: int | None) -> list[str]:
+    """One seeded chat stream of QUESTION, read raw: its first event is the role chunk, every chunk carries
+    the same id, and the text pieces, in order. With `stop_after`, the client leaves after that many pieces."""
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 1.0, "seed": seed,
+            "ignore_eos": True, "stream": True}
+    pieces: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        ids = set()
+        for n, line in enumerate(line for line in response.iter_lines() if line):
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                break
+            chunk = json.loads(payload)
+            ids.add(chunk["id"])
+            delta = chunk["choices"][0]["delta"]
+            if n == 0:
+                assert delta == {"role": "assistant", "content": ""}, f"seed {seed}: the stream began with {line}"
+                continue
+            assert "role" not in delta, f"seed {seed}: a second role chunk {line}"
+            if delta.get("content"):
+                pieces.append(delta["content"])
+            if stop_after is not None and len(pieces) >= stop_after:
+                break
+        assert len(ids) == 1, f"seed {seed}: chunks of several responses {ids}"
+    return pieces
+
+
+def test_concurrent_identical_streams_each_get_their_own_answer_from_the_first_chunk(gateway: Any) -> None:
+    """Many streams of one prompt at once, seeded apart so each answer is its own; some clients leave early
+    and ask again at once. Every stream must begin with its role chunk and read exactly its own answer's text
+    (the text its seed gives unstreamed) from the first piece on; nothing of another request may arrive."""
+    seeds = list(range(100, 112))
+    with httpx.Client(timeout=120) as http:
+        expected = {}
+        for seed in seeds:
+            answer = http.post(f"{gateway.url}/v1/chat/completions", json={
+                "model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 1.0, "seed": seed,
+                "ignore_eos": True}).json()
+            expected[seed] = answer["choices"][0]["message"]["content"]
+    assert len(set(expected.values())) > len(seeds) // 2  # the seeds do tell the answers apart
+
+    def client(seed: int) -> None:
+        for round_ in range(3):  # leave after a few pieces, come back at once; the last round reads to the end
+            stop_after = None if round_ == 2 else 1 + (seed + round_) % 3
+            text = "".join(_own_stream_check(gateway.url, seed, stop_after))
+            assert expected[seed].startswith(text) if stop_after else text == expected[seed], (seed, text)
+
+    with concurrent.futures.ThreadPoolExecutor(len(seeds)) as pool:
+        for done in [pool.submit(client, seed) for seed in seeds]:
+            done.result()

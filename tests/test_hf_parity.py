@@ -10,9 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
+from conftest import lazy_import
 
 from dynserve.protocol import SamplingParams
+
+torch = lazy_import("torch")
 
 LOGIT_ATOL = 1e-3
 _PARAGRAPH = (

@@ -17,7 +17,6 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import local_dynctl_serve
 
 MODEL = "SmolLM2-135M-Instruct"
 REPO = Path(__file__).resolve().parents[1]
@@ -104,14 +103,13 @@ def test_a_cap_no_request_reaches_changes_nothing(gateway: Any) -> None:
     assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
 
 
-def test_dynctl_serve_drains_on_sigterm() -> None:
+def test_dynctl_serve_drains_on_sigterm(dynctl_serve: Any, dynctl: str) -> None:
     """SIGTERM mid-stream: the listener closes at once, the stream runs to its end, the process exits 0."""
-    dynctl = str(Path(sys.executable).parent / "dynctl")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # at 10x, 60 tokens take about 0.7 s: the stream is still running when the signal comes
     command = [dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "10", "--port", "0", "--shutdown-grace-s",
                "30"]
-    with local_dynctl_serve(command, 120, env) as served:
+    with dynctl_serve(command, 120, env) as served:
         url = f"http://127.0.0.1:{served.port}/v1/completions"
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}

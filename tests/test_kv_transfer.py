@@ -10,6 +10,7 @@ each process's environment before its agent starts.
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import os
 import random
@@ -25,7 +26,7 @@ from typing import Any
 import hypothesis.strategies as st
 import msgspec
 import pytest
-import torch
+from conftest import lazy_import
 from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 
@@ -40,12 +41,15 @@ from dynserve.kv_transfer.descriptors import (
     decode_metadata,
     encode_metadata,
 )
-from dynserve.kv_transfer.nixl_backend import apply_ucx_settings, nixl_available
+from dynserve.kv_transfer.nixl_backend import apply_ucx_settings
 
-BACKENDS = [pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")),
+torch = lazy_import("torch")
+# (find_spec, not nixl_available(): importing nixl imports torch, and collection imports neither)
+BACKENDS = [pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
+                                                         reason="nixl not installed")),
             "tcp"]
 SHAPE = (24, 2, 2, 4, 2, 8)  # [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
-DTYPE = torch.float16
+DTYPE_NAME = "float16"
 BLOCK_BYTES = 512
 
 
@@ -62,7 +66,7 @@ def random_cache(seed: int) -> torch.Tensor:
     """A cache whose every byte is random (fp16 NaN patterns included: compared as bytes)."""
     generator = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (*SHAPE[:-1], SHAPE[-1] * 2), dtype=torch.uint8, generator=generator)
-    return raw.view(DTYPE)
+    return raw.view(getattr(torch, DTYPE_NAME))
 
 
 def as_bytes(blocks: torch.Tensor) -> torch.Tensor:
@@ -144,7 +148,7 @@ def setup(request: pytest.FixtureRequest) -> Iterator[Setup]:
     backend = request.param
     live, doomed = start_peers(backend, [f"{backend}-live", f"{backend}-doomed"])
     reader = make_connector(transfer_settings(backend), f"{backend}-reader")
-    cache = torch.zeros(SHAPE, dtype=DTYPE)
+    cache = torch.zeros(SHAPE, dtype=getattr(torch, DTYPE_NAME))
     reader.register_kv_cache(cache)
     for peer in (live, doomed):
         assert reader.add_peer(peer.metadata) == peer.name
@@ -306,7 +310,7 @@ def test_the_tcp_page_server_sends_nothing_without_the_agents_token(setup: Setup
         assert time.monotonic() - start < 2.0  # dropped at once, not after waiting for the bytes
     intruder = make_connector(transfer_settings("tcp"), "tcp-intruder")
     try:
-        intruder.register_kv_cache(torch.zeros(SHAPE, dtype=DTYPE))
+        intruder.register_kv_cache(torch.zeros(SHAPE, dtype=getattr(torch, DTYPE_NAME)))
         intruder.add_peer(encode_metadata(msgspec.structs.replace(meta, token="f" * 32)))
         start = time.monotonic()
         with pytest.raises(KVTransferError) as caught:
@@ -342,7 +346,7 @@ def test_failed_setup_leaves_nothing_behind(setup: Setup) -> None:
     with pytest.raises(KVTransferError, match="1024-byte blocks"):
         reader.add_peer(_tcp_metadata(1024) if backend == "tcp" else _nixl_garbage(1024))
     # the same block size in another dtype (bfloat16 pages read as float16 would be garbage)
-    other_dtype = "float16" if str(DTYPE) != "torch.float16" else "bfloat16"
+    other_dtype = "float16" if DTYPE_NAME != "float16" else "bfloat16"
     with pytest.raises(KVTransferError, match=f"holds {other_dtype} KV"):
         reader.add_peer(_tcp_metadata(BLOCK_BYTES, other_dtype) if backend == "tcp"
                         else _nixl_garbage(BLOCK_BYTES, other_dtype))
@@ -351,10 +355,10 @@ def test_failed_setup_leaves_nothing_behind(setup: Setup) -> None:
             reader.add_peer(_nixl_garbage(BLOCK_BYTES))
     assert reader.peers == peers_before
     with pytest.raises(ValueError, match="already registered"):
-        reader.register_kv_cache(torch.zeros(SHAPE, dtype=DTYPE))
+        reader.register_kv_cache(torch.zeros(SHAPE, dtype=getattr(torch, DTYPE_NAME)))
     fresh = make_connector(transfer_settings(backend), f"{backend}-fresh")
     with pytest.raises(ValueError, match="contiguous"):
-        fresh.register_kv_cache(torch.zeros(SHAPE, dtype=DTYPE).transpose(0, 1))
+        fresh.register_kv_cache(torch.zeros(SHAPE, dtype=getattr(torch, DTYPE_NAME)).transpose(0, 1))
     assert fresh.layout is None
     fresh.close()
     fresh.close()  # idempotent

@@ -5,16 +5,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import gguf
+import numpy as np
 import pytest
-import torch
-from safetensors.torch import save_file
+from conftest import lazy_import
 
 from dynserve.config import Settings
-from dynserve.engine.llm_engine import LLMEngine, LoadedModel
-from dynserve.engine.loader import load_model_weights
 from dynserve.errors import ModelLoadError
 from dynserve.model.resolve import resolve_model_path
+
+if TYPE_CHECKING:
+    from dynserve.engine.llm_engine import LoadedModel
+
+torch = lazy_import("torch")
+loader = lazy_import("dynserve.engine.loader")
 
 
 def _hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
@@ -36,6 +42,10 @@ def _hf_state_dict(loaded: LoadedModel) -> dict[str, torch.Tensor]:
 
 
 def test_hf_directory_loads_the_same_model(tmp_path: Path, loaded_model: LoadedModel, make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save_file
+
+    from dynserve.engine.llm_engine import LLMEngine, LoadedModel
+
     cfg = loaded_model.config
     save_file(_hf_state_dict(loaded_model), str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({
@@ -46,7 +56,7 @@ def test_hf_directory_loads_the_same_model(tmp_path: Path, loaded_model: LoadedM
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": True,
         "bos_token_id": 1, "eos_token_id": 2,
     }))
-    config, state = load_model_weights(tmp_path)
+    config, state = loader.load_model_weights(tmp_path)
     assert config.num_layers == cfg.num_layers and config.tie_word_embeddings
     assert "lm_head.weight" not in state
     prompt = tokenizer.encode("The capital of France is")
@@ -74,17 +84,17 @@ def test_unsupported_architecture_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "tiny-gpt2.gguf"
     writer = gguf.GGUFWriter(str(path), "gpt2")
     writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
-        load_model_weights(path)
+        loader.load_model_weights(path)
 
 
 def test_corrupt_gguf_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
-        load_model_weights(path)
+        loader.load_model_weights(path)

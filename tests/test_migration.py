@@ -13,6 +13,7 @@ import httpx
 import msgspec
 import openai
 import pytest
+from conftest import needs
 
 from dynserve.config import Settings
 from dynserve.protocol import SamplingParams
@@ -24,6 +25,7 @@ REAL = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1,
 
 
 @pytest.fixture(scope="module")
+@needs('model')
 def workers(ray_instance: Any) -> Iterator[dict[str, tuple[Any, Any]]]:
     """Real workers in their own namespace: one prefill, two decode (their ids as keys). The disaggregated test
     runs first and kills a decode worker; the aggregated one then uses the other and the prefill worker,

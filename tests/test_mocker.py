@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import local_dynctl_serve, replay_event_plane, stop_by_sigint, wait_for_line
+from conftest import replay_event_plane, stop_by_sigint, wait_for_line
 
 from dynserve.config import Settings
 from dynserve.model.resolve import default_model_path
@@ -504,7 +504,7 @@ def _check_sglang_router_bodies(url: str) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "return_hidden_states"
 
 
-def test_standalone_mocker_serves_the_openai_client() -> None:
+def test_standalone_mocker_serves_the_openai_client(dynctl: str) -> None:
     command = [sys.executable, "-m", "dynserve.cli.mocker"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "DYN_MOCKER_SPEEDUP": str(SPEEDUP)}
     help_text = " ".join(subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60,
@@ -533,11 +533,10 @@ def test_standalone_mocker_serves_the_openai_client() -> None:
     assert code == 0 and "stopped" in rest
 
 
-def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
-    dynctl = str(Path(sys.executable).parent / "dynctl")
+def test_dynctl_serve_mocker_answers_with_two_workers(dynctl_serve: Any, dynctl: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with local_dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
-                             "--port", "0"], 120, env) as served:
+    with dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
+                       "--port", "0"], 120, env) as served:
         port = served.port
         assert "2 mocker workers" in served.banner and "profile cpu" in served.banner
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}
@@ -547,12 +546,11 @@ def test_dynctl_serve_mocker_answers_with_two_workers() -> None:
     assert served.code == 0 and "stopped" in served.rest
 
 
-def test_dynctl_serve_mocker_disaggregated() -> None:
-    dynctl = str(Path(sys.executable).parent / "dynctl")
+def test_dynctl_serve_mocker_disaggregated(dynctl_serve: Any, dynctl: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with local_dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--prefill-workers",
-                             "1", "--decode-workers", "1", "--disagg-local-prefill-tokens", "0", "--port", "0"],
-                            120, env) as served:
+    with dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--prefill-workers",
+                       "1", "--decode-workers", "1", "--disagg-local-prefill-tokens", "0", "--port", "0"],
+                      120, env) as served:
         port = served.port
         assert "1 prefill + 1 decode mocker workers" in served.banner
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8}

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import needs
 
 from benchmarks._hosts import Host, Hosts, RayCluster, dynctl_serve, missing
 from dynserve.protocol import SamplingParams
@@ -36,6 +37,7 @@ FAST_NODE_DEATH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failu
 
 
 @pytest.fixture(scope="module")
+@needs('netns', 'ray', 'fleet')
 def fleet() -> Iterator[tuple[Hosts, RayCluster]]:
     """Hosts a-d; Ray: the head on a (0 CPUs), one worker node with 1 CPU on each of b and c."""
     with Hosts(4) as hosts, RayCluster(hosts, nodes={1: 1, 2: 1}, env=FAST_NODE_DEATH) as cluster:
@@ -44,6 +46,7 @@ def fleet() -> Iterator[tuple[Hosts, RayCluster]]:
 
 
 @pytest.fixture(scope="module")
+@needs('services')
 def redis_on_d(fleet: tuple[Hosts, RayCluster]) -> Iterator[str]:
     """A real redis-server on host d, reachable by the other hosts at d's address only."""
     hosts, _cluster = fleet
@@ -129,7 +132,7 @@ def _aggregated_checks(url: str) -> dict[str, Any]:
     return {"firsts": firsts, "repeats": repeats}
 
 
-@pytest.mark.parametrize("plane", ["embedded", "redis"])
+@pytest.mark.parametrize("plane", ["embedded", pytest.param("redis", marks=pytest.mark.services)])
 def test_aggregated_mockers_on_two_hosts(fleet: tuple[Hosts, RayCluster], plane: str,
                                          request: pytest.FixtureRequest) -> None:
     hosts, _cluster = fleet

@@ -25,7 +25,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import local_dynctl_serve
+from conftest import local_dynctl_serve, needs
 
 from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
@@ -61,6 +61,7 @@ def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5): 
 
 
 @pytest.fixture(scope="module")
+@needs('fleet', 'ray', 'services')
 def fleet() -> Iterator[Fleet]:
     command = [DYNCTL, "serve", "--mocker", "cpu", "--mocker-speedup", "4", "--prefill-workers", "1",
                "--decode-workers", "1", "--disagg-local-prefill-tokens", "32", "--prometheus",

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from conftest import needs
 
 from benchmarks._hosts import Host, Hosts, missing
 from dynserve.operator.builders import build_children
@@ -121,6 +122,7 @@ class Pods:
 
 
 @pytest.fixture(scope="module")
+@needs('netns', 'fleet', 'ray')
 def pods() -> Iterator[tuple[Hosts, Pods]]:
     children = build_children(NAME, NAMESPACE, parse_deployment(SPEC), uid="0a1b")
     with Hosts(5) as hosts, tempfile.TemporaryDirectory(prefix="dynserve-pods-", dir="/var/tmp") as log_dir:

@@ -2,20 +2,26 @@
 dynserve with only the dependencies pyproject.toml declares, gives a `dynctl serve` that starts and answers.
 
 This is the one test that reaches the package registry; it installs without byte-compiling (the slow part of
-an install that proves nothing here) and serves mocker workers, so it adds under a minute to `make test`.
+an install that proves nothing here) and serves mocker workers. Torch is not unpacked again: the fresh
+virtualenv sees this one's torch and what torch needs (and nothing else) through a `.pth` file, so pip finds
+torch installed, as it would after `make setup`'s first step, and installs everything else itself.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from conftest import local_dynctl_serve
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from conftest import needs
 
 from dynserve.model.resolve import default_model_path
 
@@ -29,6 +35,7 @@ def _pip(venv: Path, *args: str) -> None:
 
 
 @pytest.fixture(scope="module")
+@needs('install')
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv holding torch (CPU) and `pip install .` of this checkout, from a copy of its sources (so
     the build leaves nothing in the work tree)."""
@@ -39,17 +46,45 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                                  "results"))
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    _pip(venv, "torch==2.13.0")
+    _share_torch(venv, root / "torch-only")
     _pip(venv, str(source))
     return venv
 
 
-def test_pip_install_gives_a_dynctl_serve_that_serves(installed: Path) -> None:
+def _with_requirements(name: str) -> list[importlib.metadata.Distribution]:
+    """The installed distribution `name` and every distribution it requires, transitively (extras left out)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = [Requirement(name)]
+    while todo:
+        requirement = todo.pop()
+        key = canonicalize_name(requirement.name)
+        if key in found or (requirement.marker is not None and not requirement.marker.evaluate({"extra": ""})):
+            continue
+        found[key] = distribution = importlib.metadata.distribution(requirement.name)
+        todo += [Requirement(text) for text in distribution.requires or []]
+    return list(found.values())
+
+
+def _share_torch(venv: Path, shared: Path) -> None:
+    """Make this interpreter's torch, and only what torch needs, importable and installed in `venv`: their
+    top-level packages and metadata linked into `shared`, which a `.pth` file puts on `venv`'s path."""
+    shared.mkdir()
+    for distribution in _with_requirements("torch"):
+        tops = {Path(str(file)).parts[0] for file in distribution.files or []}
+        for top in tops - {"..", "bin", "__pycache__"}:
+            target = Path(str(distribution.locate_file(top)))
+            if target.exists() and not (shared / top).exists():
+                (shared / top).symlink_to(target)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "shared-torch.pth").write_text(f"{shared}\n")
+
+
+def test_pip_install_gives_a_dynctl_serve_that_serves(installed: Path, dynctl_serve: Any) -> None:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     # the model package is data installed --no-deps by `make setup`, not a dependency: point at its file
     command = [str(installed / "bin" / "dynctl"), "serve", "--port", "0", "--mocker", "cpu", "--workers", "1",
                "--model", str(default_model_path())]
-    with local_dynctl_serve(command, 180, env, cwd=installed) as served:
+    with dynctl_serve(command, 180, env, cwd=installed) as served:
         models = httpx.get(f"http://127.0.0.1:{served.port}/v1/models", timeout=30).json()
         body = {"model": models["data"][0]["id"], "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         answer = httpx.post(f"http://127.0.0.1:{served.port}/v1/chat/completions", json=body, timeout=60)

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import local_dynctl_serve
+from conftest import local_dynctl_serve, needs
 from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
 
@@ -81,6 +81,7 @@ def prometheus_url() -> Iterator[list[str]]:
 
 
 @pytest.fixture(scope="module")
+@needs('fleet', 'ray', 'services')
 def fleet(prometheus_url: list[str]) -> Iterator[str]:
     with local_dynctl_serve(COMMAND, 180) as served:
         assert "Planner: sla mode" in served.banner, served.banner

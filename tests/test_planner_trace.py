@@ -15,7 +15,6 @@ from benchmarks.planner import (
     attainment_by_window,
     fleet_for_rate,
     scale_events,
-    trace_shape,
     worker_seconds,
 )
 from benchmarks.planner_trace import (
@@ -29,6 +28,7 @@ from benchmarks.planner_trace import (
     peak_rate_per_s,
     read_mooncake,
     summarize,
+    trace_shape,
     windowed_rates_per_s,
     write_mooncake,
 )

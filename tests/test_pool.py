@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import needs
 
 from dynserve.errors import PoolError
 from dynserve.gateway.backend import membership_changes
@@ -156,6 +157,7 @@ class _LoopThread:
 
 
 @pytest.fixture(scope="module")
+@needs('fleet')
 def pool(ray_instance: Any) -> Iterator[tuple[_LoopThread, Any]]:
     """A pool of two workers (a quarter CPU and one thread each, small KV cache) in its own namespace. Their
     engines run at normal priority: on a machine shared with other work a niced engine loads very slowly."""
@@ -203,7 +205,6 @@ def _chat(gateway: Any, content: str, max_tokens: int = 2) -> httpx.Response:
     return httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=120)
 
 
-@pytest.mark.slow
 def test_an_added_worker_becomes_routable(pool: tuple[_LoopThread, Any], pool_gateway: Any) -> None:
     runner, worker_pool = pool
     members = _members(pool_gateway)
@@ -216,7 +217,6 @@ def test_an_added_worker_becomes_routable(pool: tuple[_LoopThread, Any], pool_ga
     assert members.num_routed["pt-2"] >= 1
 
 
-@pytest.mark.slow
 def test_a_draining_worker_finishes_its_stream_and_takes_no_new_request(pool: tuple[_LoopThread, Any],
                                                                         pool_gateway: Any) -> None:
     import ray
@@ -247,7 +247,6 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_request(pool: tu
         ray.get(handle.is_healthy.remote(), timeout=30)
 
 
-@pytest.mark.slow
 def test_a_killed_worker_leaves_routing_within_1s_and_is_replaced(pool: tuple[_LoopThread, Any],
                                                                   pool_gateway: Any) -> None:
     import ray

@@ -11,12 +11,14 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import needs
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
+@needs('model')
 def second_worker(ray_instance: Any) -> Iterator[Any]:
     from dynserve.config import Settings
     from dynserve.workers.worker import launch_worker
@@ -29,6 +31,7 @@ def second_worker(ray_instance: Any) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
+@needs('model')
 def redis_workers(ray_instance: Any, redis_url: str) -> Iterator[list[Any]]:  # noqa: F811
     """Two more workers, r0 and r1, publishing their KV events on the real Redis (no Ray CPUs reserved:
     the session's two are taken by w0 and w1); [(handle, info), (handle, info)]."""

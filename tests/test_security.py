@@ -22,13 +22,15 @@ import httpx
 import msgspec
 import pydantic
 import pytest
-import torch
+from conftest import lazy_import
 
 from dynserve.config import Settings
 from dynserve.errors import KVTransferError, WorkerUnavailableError
 from dynserve.framing import MAX_HELLO_BYTES, accept_hello, encode_frame
 from dynserve.protocol import GenerateRequest, Hello, LoadRequest, SamplingParams, WorkerInfo
 from dynserve.workers.channel import WorkerConnection
+
+torch = lazy_import("torch")
 
 TOKEN = "fleet-token-0123456789abcdef"
 WRONG = "fleet-token-0123456789abcdeX"  # the same length, one character off

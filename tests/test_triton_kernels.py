@@ -11,26 +11,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-import torch
+from conftest import lazy_import
 
-from dynserve.engine.kernels import AttentionMetadata, torch_attention
+torch = lazy_import("torch")
+kernels = lazy_import("dynserve.engine.kernels")
+torch_attention = lazy_import("dynserve.engine.kernels.torch_attention")
+triton_attention = lazy_import("dynserve.engine.kernels.triton_attention")
 
 
 @pytest.fixture(autouse=True)
 def _pure_torch_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reference is the pure torch path, not the C++ decode kernel it can hand decode rows to."""
-    monkeypatch.setattr(torch_attention, "USE_NATIVE_DECODE", False)
+    monkeypatch.setattr("dynserve.engine.kernels.torch_attention.USE_NATIVE_DECODE", False)
 
-triton_attention = pytest.importorskip("dynserve.engine.kernels.triton_attention")
 
-pytestmark = pytest.mark.skipif(
-    not triton_attention.is_available(), reason="needs Triton on a GPU or under TRITON_INTERPRET=1"
-)
+@pytest.fixture(autouse=True, scope="module")
+def _triton_runs_here() -> None:
+    pytest.importorskip("triton")
+    if not triton_attention.is_available():
+        pytest.skip("needs Triton on a GPU or under TRITON_INTERPRET=1")
 
-TOLERANCE = {  # (atol, rtol) on outputs of magnitude ~1
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (2e-3, 2e-3),
-    torch.bfloat16: (2e-2, 2e-2),
+
+TOLERANCE = {  # (atol, rtol) on outputs of magnitude ~1, by dtype name
+    "float32": (1e-5, 1e-5),
+    "float16": (2e-3, 2e-3),
+    "bfloat16": (2e-2, 2e-2),
 }
 NUM_LAYERS = 2
 LAYER = 1
@@ -62,19 +67,24 @@ def make_block_tables(
     return tables, num_blocks
 
 
-def make_step(num_tokens: int, shape: Shape, dtype: torch.dtype, generator: torch.Generator):
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A dtype from its name (test parameters name dtypes, so collecting them imports no torch)."""
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def make_step(num_tokens: int, shape: Shape, dtype: str | torch.dtype, generator: torch.Generator):
     """Random query, key and value rows for one step."""
 
     def rows(heads: int) -> torch.Tensor:
-        return torch.randn(num_tokens, heads, shape.head_dim, generator=generator).to(dtype)
+        return torch.randn(num_tokens, heads, shape.head_dim, generator=generator).to(as_dtype(dtype))
 
     return rows(shape.num_heads), rows(shape.num_kv_heads), rows(shape.num_kv_heads)
 
 
-def make_cache(num_blocks: int, shape: Shape, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+def make_cache(num_blocks: int, shape: Shape, dtype: str | torch.dtype, generator: torch.Generator) -> torch.Tensor:
     """A cache full of noise: a kernel that reads a slot it should not will not match the reference."""
     dims = (num_blocks, NUM_LAYERS, 2, shape.block_size, shape.num_kv_heads, shape.head_dim)
-    return torch.randn(dims, generator=generator).to(dtype)
+    return torch.randn(dims, generator=generator).to(as_dtype(dtype))
 
 
 def run_both(
@@ -88,7 +98,7 @@ def run_both(
 
 
 def assert_agree(expected: torch.Tensor, actual: torch.Tensor) -> None:
-    atol, rtol = TOLERANCE[expected.dtype]
+    atol, rtol = TOLERANCE[str(expected.dtype).removeprefix("torch.")]
     assert actual.dtype == expected.dtype and actual.shape == expected.shape
     assert torch.isfinite(actual).all()
     torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol)
@@ -100,7 +110,7 @@ def check_step(
     """One step over a cache whose prefixes hold whatever was there (noise standing in for earlier steps)."""
     generator = torch.Generator().manual_seed(seed)
     tables, num_blocks = make_block_tables(seq_lens, shape.block_size, generator)
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, shape.block_size)
+    meta = kernels.AttentionMetadata.build(query_lens, seq_lens, tables, shape.block_size)
     cache_ref = make_cache(num_blocks, shape, dtype, generator)
     cache_triton = cache_ref.clone()
     query, key, value = make_step(sum(query_lens), shape, dtype, generator)
@@ -109,7 +119,7 @@ def check_step(
     assert torch.equal(cache_triton, cache_ref)
 
 
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16")]
+DTYPES = [pytest.param("float32", id="fp32"), pytest.param("float16", id="fp16")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -163,7 +173,7 @@ def test_chunked_prefill_then_decode_over_what_earlier_steps_wrote(dtype):
     ]
     q_width = shape.num_heads * shape.head_dim
     for query_lens, seq_lens in steps:
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, shape.block_size)
+        meta = kernels.AttentionMetadata.build(query_lens, seq_lens, tables, shape.block_size)
         query, key, value = make_step(sum(query_lens), shape, dtype, generator)
         qkv = torch.cat([query.flatten(1), key.flatten(1), value.flatten(1)], dim=1)
         query_view = qkv[:, :q_width].view(-1, shape.num_heads, shape.head_dim)
@@ -180,8 +190,8 @@ def test_bf16_decode_and_prefill_match_torch():
 @pytest.mark.parametrize(
     ("value_dtype", "cache_dtype"),
     [
-        pytest.param(torch.float32, torch.float32, id="fp32"),
-        pytest.param(torch.float32, torch.float16, id="fp32-into-fp16-cache"),
+        pytest.param("float32", "float32", id="fp32"),
+        pytest.param("float32", "float16", id="fp32-into-fp16-cache"),
     ],
 )
 def test_write_kv_stores_the_same_cache_as_torch(value_dtype, cache_dtype):
@@ -189,7 +199,7 @@ def test_write_kv_stores_the_same_cache_as_torch(value_dtype, cache_dtype):
     generator = torch.Generator().manual_seed(11)
     seq_lens = [9, 16, 3]
     tables, num_blocks = make_block_tables(seq_lens, shape.block_size, generator)
-    meta = AttentionMetadata.build(seq_lens, seq_lens, tables, shape.block_size)
+    meta = kernels.AttentionMetadata.build(seq_lens, seq_lens, tables, shape.block_size)
     cache_ref = make_cache(num_blocks, shape, cache_dtype, generator)
     before = cache_ref.clone()
     cache_triton = cache_ref.clone()
@@ -201,13 +211,13 @@ def test_write_kv_stores_the_same_cache_as_torch(value_dtype, cache_dtype):
     assert torch.equal(cache_triton, cache_ref)
     assert torch.equal(cache_triton[:, 1 - LAYER], before[:, 1 - LAYER])  # the other layer is untouched
     block_id, offset = divmod(meta.slot_mapping[-1].item(), shape.block_size)
-    assert torch.equal(cache_triton[block_id, LAYER, 1, offset], value[-1].to(cache_dtype))
+    assert torch.equal(cache_triton[block_id, LAYER, 1, offset], value[-1].to(as_dtype(cache_dtype)))
 
 
 def test_mismatched_head_counts_are_rejected():
     shape = Shape(num_heads=5, num_kv_heads=2, head_dim=16)
     generator = torch.Generator().manual_seed(0)
-    meta = AttentionMetadata.build([2], [2], [[0]], shape.block_size)
+    meta = kernels.AttentionMetadata.build([2], [2], [[0]], shape.block_size)
     query, key, value = make_step(2, shape, torch.float32, generator)
     cache = make_cache(1, shape, torch.float32, generator)
     with pytest.raises(ValueError, match="5"):

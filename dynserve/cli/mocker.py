@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from dynserve.cli.main import EXIT_USAGE, add_settings_group, settings_from
+from dynserve.cli.options import EXIT_USAGE, add_settings_group, settings_from
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 from dynserve.gateway.server import make_gateway_app, serve_app_async

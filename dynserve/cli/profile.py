@@ -16,9 +16,9 @@ Every request has its own random token ids, and the prefix cache is reset betwee
 served from the cache.
 
 A mocker runs `mocker_speedup` times faster than its profile; measured wall times are multiplied back by
-it, so the profile is in the modelled hardware's seconds. The engine's own Python work around a step (about
-0.3 ms here) is multiplied too, so the default speedup is the largest, up to 100, at which the profile's
-shortest step still lasts 10 ms of wall time (at least 1): within a few percent. A run where the wall time
+it, so the profile is in the modelled hardware's seconds. The engine's own Python work around a step is
+multiplied too, so the default speedup is the largest, up to 100, at which the profile's shortest step still
+lasts 10 ms of wall time (at least 1), against which that work is a few percent. A run where the wall time
 exceeded the modelled time by over 5% (that work, or a busy machine) is tried again, up to 3 times, keeping
 the least disturbed; a point still over is flagged in its progress line. The unmeasured warm-up of a
 decode point (prefilling its batch) runs at a much higher speedup.
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from dynserve.cli.main import EXIT_OK, add_settings_group, settings_from
+from dynserve.cli.options import EXIT_OK, add_settings_group, settings_from
 from dynserve.config import Settings
 from dynserve.engine.core import EngineCore
 from dynserve.errors import InvalidRequestError

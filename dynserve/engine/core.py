@@ -56,7 +56,6 @@ class EngineStats:
     num_computed_prompt_tokens: int = 0  # tokens the model actually ran for prefill (chunks, recomputes)
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     num_generated_tokens: int = 0
-    num_decode_tokens: int = 0  # tokens the model ran as decodes (one per running sequence a step)
     num_preemptions: int = 0
     # the last step that ran a batch: its sequences, and its tokens computed as prefill and as decode
     last_batch_size: int = 0
@@ -336,7 +335,6 @@ class EngineCore(abc.ABC):
                 num_decode += 1
         num_prefill = sum(batch.num_new_tokens) - num_decode
         stats.num_computed_prompt_tokens += num_prefill
-        stats.num_decode_tokens += num_decode
         stats.last_batch_size, stats.last_prefill_tokens, stats.last_decode_tokens = (
             len(batch.seqs), num_prefill, num_decode)
         stats.num_cached_prompt_tokens = self.scheduler.num_cached_prompt_tokens

@@ -47,7 +47,6 @@ _GGUF_GLOBAL_NAMES = {
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     model_id: str
-    architecture: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -107,7 +106,6 @@ def _gguf_config(reader: Any, path: Path) -> ModelConfig:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         model_id=model_id_of(path),
-        architecture="llama",
         vocab_size=int(get("vocab_size", len(tokens.data) if tokens is not None else 0)),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -201,7 +199,6 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
     num_heads = raw["num_attention_heads"]
     config = ModelConfig(
         model_id=model_id_of(path),
-        architecture="llama",
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],

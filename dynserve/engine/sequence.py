@@ -8,7 +8,6 @@ Invariant: `num_computed_tokens <= num_tokens` and the block table covers every 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,7 +41,6 @@ class Sequence:
     cacheable: bool = True  # False once a hash collision was met: later blocks are never cached
     finish_reason: str | None = None
     num_preemptions: int = 0
-    arrival_time_s: float = field(default_factory=time.monotonic)
     _generator: torch.Generator | None = None  # built on first use: see `sampling_generator`
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # token id -> count over output tokens, kept only when a penalty needs it

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from dynserve.planner.predictors import PredictorName, make_predictor
@@ -361,9 +361,3 @@ class PlannerCore:
 
 def _or_nan(value: float | None) -> float:
     return NAN if value is None else value
-
-
-def with_targets(observation: Observation, targets: Mapping[str, int]) -> Observation:
-    """`observation` with each pool's worker count replaced (trace replay: the fleet is what was decided)."""
-    pools = {p: replace(o, num_workers=targets.get(p, o.num_workers)) for p, o in observation.pools.items()}
-    return replace(observation, pools=pools)

@@ -79,11 +79,11 @@ class FrameWriter:
     """The worker's side of a connection, for writing: frames from any thread, in the order written.
 
     The engine thread writes a step's deltas itself the moment the step ends: handing them to the event loop
-    first cost a wake-up of the loop's thread and a GIL hand-off, about 1 ms a step on this CPU at 16
-    requests in flight, while the send itself takes microseconds. A frame the socket cannot take whole
-    waits, with every frame after it, in a backlog that the loop sends when the socket is writable. The
-    writer owns a duplicate of the connection's descriptor (the loop watches it for writability apart from
-    the stream reading the original), so the connection ends only once both are closed, in either order.
+    first costs a wake-up of the loop's thread and a GIL hand-off, far more than the send itself (about 1 ms
+    a step at 16 requests in flight; docs/benchmarks.md). A frame the socket cannot take whole waits, with
+    every frame after it, in a backlog that the loop sends when the socket is writable. The writer owns a
+    duplicate of the connection's descriptor (the loop watches it for writability apart from the stream
+    reading the original), so the connection ends only once both are closed, in either order.
     """
 
     def __init__(self, sock: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -223,13 +223,10 @@ class WorkerConnection:
                 await self._reader_task
 
     def _send(self, message: ClientFrame) -> None:
-        """Queue `message` for the end of this pass of the loop: the frames of one pass go out in one write.
-
-        Requests too: sending each at once gets a burst's first request to its worker sooner when nothing
-        computes beside the gateway, but a mocker at the frontend benchmark's speedup then takes twice the
-        steps for requests arriving one by one. Holding requests for a fraction of a longer pass did not win
-        those back, and writing a pass's frames once 1 KiB of them waited made the last request of a burst
-        reach its worker later; the experiments: docs/benchmarks.md (gateway)."""
+        """Queue `message` for the end of this pass of the loop: the frames of one pass go out in one write,
+        requests included, so a burst of requests reaches its worker together and is scheduled together
+        (sent one by one, a mocker at the frontend benchmark's speedup took twice the steps for them; the
+        experiments: docs/benchmarks.md, gateway)."""
         if self._closed_reason is not None or self._writer is None:
             raise WorkerUnavailableError(
                 f"worker {self.worker_id} is unavailable ({self._closed_reason})", worker_id=self.worker_id

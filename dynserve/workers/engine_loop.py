@@ -4,12 +4,13 @@ steps on the asyncio loop instead (`inline_loop.py`).
 
 The engine is built on that same thread (`start` runs the builder there and waits for it): torch's OpenMP
 thread team belongs to the thread that first runs a parallel op, and an engine stepping on one thread after
-its model was loaded and warmed up on another runs 40-50% slower on CPU. Other threads talk to it through a
-command queue (`submit`, `abort`, `release`, `call`, `stop`), and the thread blocks on that queue when the
-engine is idle, so an idle worker costs no CPU. After every step the deltas are grouped by the `Sink` that
-owns each request. A thread-safe sink (a worker's connection) takes its group on the engine thread at once,
-saving the loop's wake-up (about 1 ms a step here); the others' groups are handed to the loop, and steps the
-loop has not taken yet go with the same wake-up (`_call`). A KV read's end comes back as a command.
+its model was loaded and warmed up on another runs 40-50% slower on CPU (docs/benchmarks.md). Other threads
+talk to it through a command queue (`submit`, `abort`, `release`, `call`, `stop`), and the thread blocks on
+that queue when the engine is idle, so an idle worker costs no CPU. After every step the deltas are grouped
+by the `Sink` that owns each request. A thread-safe sink (a worker's connection) takes its group on the
+engine thread at once, saving the loop's wake-up (`channel.FrameWriter`); the others' groups are handed to
+the loop, and steps the loop has not taken yet go with the same wake-up (`_call`). A KV read's end comes
+back as a command.
 
 Invariants: once `start` returns only the engine thread steps the engine or changes its requests; commands
 apply in the order they were queued, and a call queued behind a stop still gets an answer (an error);

@@ -4,18 +4,19 @@ its modelled time is up). What every driver keeps (open requests, timings, KV re
 `Driver`'s (`driver.py`); a model's engine steps on a thread instead (`engine_loop.py`).
 
 No thread, no command queue, no hand-off and no GIL traffic between two threads per step: at a high speedup
-those cost a mocker more CPU than its steps (measured: the engine thread of a mocker at 2 tokens a step
-spent twice the CPU of its I/O thread). After each step the task waits for the step's modelled end, then
+those cost a mocker more CPU than its steps (its engine thread, at 2 tokens a step, spent twice the CPU of
+its I/O thread; docs/benchmarks.md). After each step the task waits for the step's modelled end, then
 delivers its tokens: on the loop's timer when that end is at least `_MIN_SLEEP_S` ahead, else with a bare
 yield (the engine's clock carries the difference into the next step). Either way the loop serves I/O
-between steps. Its tokens go out with the next step's while that step should end within `_COALESCE_S`
-(0.5 ms) of the oldest held token (judged by the last step's length, modelled or measured, whichever is
-longer), and at once when the engine runs out of work: a mocker at a high speedup steps every 0.1-0.2 ms
-with a few sequences, and one frame per step made every hop after it (the worker's write, the gateway's
-read and wake-ups, the client's writes) pay per step; a step of 0.5 ms or more (a mocker at the speedups the
-routing and disaggregation benchmarks use, any real model) still delivers each step's tokens alone. The
-window is short because a gateway that sleeps between deliveries wakes late for the last one: at
-concurrency 1 a longer one (1 ms) cost the gateway's path more than the single-process mocker's.
+between steps.
+
+Delivery coalesces short steps: a step's tokens are held and go out with the next step's while that step
+should end within `_COALESCE_S` of the oldest held token (judged by the last step's length, modelled or on
+the wall clock, whichever is longer), and at once when the engine runs out of work. So each hop after the
+worker (its write, the gateway's read and wake-ups, the client's writes) is paid once per frame, not once
+per step of a fast mocker; a step of `_COALESCE_S` or longer (any real model, a mocker at the speedups the
+routing and disaggregation benchmarks use) still delivers its tokens alone. The window is short because a
+gateway that sleeps between deliveries wakes late for the last one.
 
 Invariants: the engine is touched only on the loop's thread (a call from another thread is passed to the
 loop); once stopped or broken the driver refuses work (requests fail, retryable; calls raise), and every

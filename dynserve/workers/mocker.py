@@ -6,10 +6,10 @@ snapshots are the real ones. Running a scheduled batch is simulated instead: the
 `MockerProfile` gives for the work in it (uncached prompt tokens, decoding sequences, their context), divided
 by `mocker_speedup`, and each sequence that finished its prefill or decodes gets a pseudo-random token.
 
-It runs inside the ordinary `EngineWorker` (set `Settings.mocker` to a profile name; `launch_mocker` also
-reserves almost no Ray CPU), so the worker channel, loads, KV events and the gateway work unchanged; and
-standalone, behind our own gateway, as an OpenAI-compatible server that other routers can front
-(`dynctl mocker`, in `dynserve/cli/mocker.py`).
+It runs inside the ordinary `EngineWorker` (set `Settings.mocker` to a profile name; `launch_mocker`, in
+`worker.py`, also reserves almost no Ray CPU), so the worker channel, loads, KV events and the gateway work
+unchanged; and standalone, behind our own gateway, as an OpenAI-compatible server that other routers can
+front (`dynctl mocker`, in `dynserve/cli/mocker.py`).
 
 Invariants:
 - Nothing here imports torch (`import dynserve.workers.mocker` leaves it out of `sys.modules`).
@@ -52,7 +52,7 @@ from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams, TokenDelta, TokenLogprob
 from dynserve.workers.mocker_profiles import MockerProfile, StepWork, get_profile
 
-__all__ = ["MockEngine", "launch_mocker", "step_work"]
+__all__ = ["MockEngine", "step_work"]
 
 logger = logging.getLogger(__name__)
 
@@ -191,15 +191,3 @@ def _drawable_token_ids(tokenizer: Tokenizer, skipped_ids: set[int] | frozenset[
         return words
     return tuple(i for i in range(tokenizer.vocab_size) if i not in skipped_ids)
 
-
-def launch_mocker(settings: Settings, worker_id: str, *, role: str = "both", profile: str | None = None,
-                  speedup: float | None = None, publish_events: bool = False) -> tuple[Any, Any]:
-    """Start a mocker worker actor (`launch_worker` with the mocker engine and a tiny CPU reservation);
-    returns (actor handle, ObjectRef of its `WorkerInfo`). Ray must be initialized."""
-    from dynserve.workers.worker import launch_worker
-
-    update: dict[str, Any] = {"mocker": profile or settings.mocker or "cpu"}
-    if speedup is not None:
-        update["mocker_speedup"] = speedup
-    return launch_worker(settings.model_copy(update=update), worker_id, role,  # type: ignore[arg-type]
-                         publish_events=publish_events)

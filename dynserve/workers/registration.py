@@ -2,11 +2,10 @@
 heartbeat renews every third of the lease, and its KV events, published in the order its engine emitted
 them, until it leaves (`leave`: the heartbeat stops, the record is removed) or stops (`cancel`).
 
-KV events: at most one publish per `_PUBLISH_INTERVAL_S` (50 ms) while they keep coming, so a busy worker's
-steps batch up into one publish (each costs the plane's actor CPU; at 50 ms the frontend benchmark's machine
-spent 8% less CPU in all than at 20: docs/benchmarks.md). A router sees a stream's blocks at most this much
-later; the first events after a quiet spell still go out at once, and a conversation's next turn comes
-seconds later.
+KV events: at most one publish per `_PUBLISH_INTERVAL_S` while they keep coming, so a busy worker's steps
+batch up into one publish, and each publish costs the plane's actor CPU (the interval's measurement:
+docs/benchmarks.md). A router sees a stream's blocks at most this much later; the first events after a quiet
+spell still go out at once, and a conversation's next turn comes seconds later.
 
 Invariants: one publisher task, so batches reach the plane in order; events queued before `join` has
 registered the worker are dropped; a publish that fails is logged and dropped (routers see the gap in the

@@ -3,10 +3,9 @@
 Ray places and starts the actor, and is how its owner asks for its info, load and recent timings and
 tells it to stop. Token traffic goes over the channel (`channel.py`): `start()` opens a TCP listener in the
 actor's event loop and returns a `WorkerInfo` with its address; a connection is served once its first
-frame, the client's hello, presents `Settings.cluster_token` (when the fleet has one). `generate()` is also
-offered as a Ray streaming generator for callers that hold only the actor handle; both paths feed the same
-engine driver (`engine_loop.py`: a thread for a model's engine; `inline_loop.py`: the actor's event loop for
-a mocker's).
+frame, the client's hello, presents `Settings.cluster_token` (when the fleet has one). Requests go to the
+engine's driver (`engine_loop.py`: a thread for a model's engine; `inline_loop.py`: the actor's event loop
+for a mocker's).
 With `publish_events` the worker registers on the event plane and publishes its KV events there
 (`registration.py`).
 
@@ -32,13 +31,12 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 import msgspec
 
 from dynserve.config import Settings
-from dynserve.errors import ChannelError, InvalidRequestError, WorkerUnavailableError
+from dynserve.errors import ChannelError
 from dynserve.framing import accept_hello, encode_frame, keep_alive, read_frame
 from dynserve.protocol import (
     AbortRequest,
@@ -60,7 +58,7 @@ from dynserve.workers.channel import FrameWriter
 from dynserve.workers.registration import Registration
 from dynserve.workers.transfer import WorkerTransfer
 
-__all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_worker", "reserved_cpus"]
+__all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_mocker", "launch_worker", "reserved_cpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,22 +98,6 @@ class _ConnectionSink:
         self.writer.close()
         with contextlib.suppress(OSError):
             await self.writer.wait_closed()
-
-
-class _QueueSink:
-    """Feeds one request's output to a Ray streaming generator."""
-
-    thread_safe = False  # an asyncio queue: delivered on the loop
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[TokenDelta | RequestError] = asyncio.Queue()
-
-    def deliver(self, deltas: list[TokenDelta]) -> None:
-        for delta in deltas:
-            self.queue.put_nowait(delta)
-
-    def fail(self, error: RequestError) -> None:
-        self.queue.put_nowait(error)
 
 
 class EngineWorker:
@@ -167,7 +149,6 @@ class EngineWorker:
         self._info: WorkerInfo | None = None
         self._draining = False
         self._sinks: set[_ConnectionSink] = set()
-        self._num_ray_streams = 0
 
     async def start(self) -> WorkerInfo:
         if self._info is not None:
@@ -245,27 +226,6 @@ class EngineWorker:
     def recent_timings(self) -> list[RequestTiming]:
         return self._runner.recent_timings()
 
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Ray streaming generator over one request's deltas (the channel is the fast path)."""
-        sink = _QueueSink()
-        self._num_ray_streams += 1
-        self._submit(request, sink)
-        finished = False
-        try:
-            while not finished:
-                item = await sink.queue.get()
-                if isinstance(item, RequestError):
-                    finished = True
-                    if item.retryable:
-                        raise WorkerUnavailableError(item.message, worker_id=self.worker_id)
-                    raise InvalidRequestError(item.message, param=item.param)
-                finished = item.finished
-                yield item
-        finally:
-            self._num_ray_streams -= 1
-            if not finished:
-                self.abort(request.request_id)
-
     def abort(self, request_id: str) -> None:
         self._runner.abort(request_id)
 
@@ -285,9 +245,9 @@ class EngineWorker:
         # a no-op call through the command queue: every request submitted before now is open in the loop
         await asyncio.wrap_future(self._runner.call(lambda _engine: None))
         deadline_s = asyncio.get_running_loop().time() + timeout_s
-        while self._num_open() and asyncio.get_running_loop().time() < deadline_s:
+        while self._runner.num_open_requests and asyncio.get_running_loop().time() < deadline_s:
             await asyncio.sleep(0.02)
-        num_cut = self._num_open()
+        num_cut = self._runner.num_open_requests
         if num_cut:
             logger.warning("worker %s: drain timed out after %.1f s with %d requests open", self.worker_id,
                            timeout_s, num_cut)
@@ -296,9 +256,6 @@ class EngineWorker:
         await asyncio.gather(*(sink.close() for sink in list(self._sinks)))
         logger.info("worker %s drained (%d requests cut)", self.worker_id, num_cut)
         return num_cut
-
-    def _num_open(self) -> int:
-        return self._runner.num_open_requests + self._num_ray_streams
 
     async def stop(self) -> None:
         """Stop accepting work, fail what is open (retryable), and stop the engine's driver."""
@@ -429,3 +386,13 @@ def launch_worker(
         scheduling_strategy="SPREAD",  # a pool's workers on as many nodes as can take them: a lost node costs few
     ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, publish_events)
     return handle, handle.start.remote()
+
+
+def launch_mocker(settings: Settings, worker_id: str, *, role: Role = "both", profile: str | None = None,
+                  speedup: float | None = None, publish_events: bool = False) -> tuple[Any, Any]:
+    """Start a mocker worker actor (`launch_worker` with the mocker's engine, `mocker.py`, and a tiny CPU
+    reservation); returns (actor handle, ObjectRef of its `WorkerInfo`). Ray must be initialized."""
+    update: dict[str, Any] = {"mocker": profile or settings.mocker or "cpu"}
+    if speedup is not None:
+        update["mocker_speedup"] = speedup
+    return launch_worker(settings.model_copy(update=update), worker_id, role, publish_events=publish_events)

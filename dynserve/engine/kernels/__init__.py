@@ -40,7 +40,6 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     max_query_len: int
-    max_seq_len: int
     # whatever a backend derives once per step and reuses in every layer (set by the backend)
     backend_plan: Any = None
 
@@ -74,5 +73,4 @@ class AttentionMetadata:
             query_start_loc_cpu=query_start_loc,
             seq_lens_cpu=list(seq_lens),
             max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
         )

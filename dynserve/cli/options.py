@@ -1,0 +1,53 @@
+"""What every `dynctl` subcommand shares: its flags generated from `Settings`, the settings built back from
+them, and the exit codes.
+
+Every flag made here has an environment twin (`--kv-blocks` / `DYN_KV_BLOCKS`), shown in `--help`; a flag
+that was not given leaves its field to the environment and the default. Exit codes: 0 success, 1 runtime
+failure, 2 bad usage or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, get_args
+
+import pydantic
+
+from dynserve.config import Settings
+from dynserve.errors import InvalidRequestError
+
+__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "add_settings_group", "settings_from"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def add_settings_group(parser: argparse.ArgumentParser, group_name: str, *, only: set[str] | None = None,
+                       aliases: dict[str, list[str]] | None = None) -> None:
+    """One flag per `Settings` field of `group_name` (or of those in `only`), each showing its env twin;
+    `aliases` gives a field more flag names (e.g. {"port": ["--http-port"]})."""
+    group = parser.add_argument_group(f"{group_name} (each flag has an env twin)")
+    for name in Settings.field_names(group_name):
+        if only is not None and name not in only:
+            continue
+        field = Settings.model_fields[name]
+        flags = ["--" + name.replace("_", "-"), *(aliases or {}).get(name, [])]
+        env = f"DYN_{name.upper()}"
+        help_text = f"{field.description} [env: {env}; default: {field.default}]".replace("%", "%%")
+        if field.annotation is bool:
+            group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+            continue
+        choices = [c for c in get_args(field.annotation) if isinstance(c, str)] or None
+        group.add_argument(*flags, dest=name, default=None, choices=choices, metavar=name.upper(), help=help_text)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """`Settings` from the flags given (the rest from `DYN_*` variables and defaults); InvalidRequestError
+    names each bad flag."""
+    given: dict[str, Any] = {n: getattr(args, n) for n in Settings.model_fields
+                             if getattr(args, n, None) is not None}
+    try:
+        return Settings(**given)
+    except pydantic.ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequestError(problems) from None
