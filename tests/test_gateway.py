@@ -222,7 +222,7 @@ def test_malformed_bodies_are_400_never_500(gateway: Any, body: bytes) -> None:
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
 
 
-def test_body_too_large_is_413(make_gateway: Any) -> None:
+def test_body_too_large_is_413(make_gateway: Any, worker: Any) -> None:  # (over the session's worker)
     small = make_gateway(max_body_bytes=4096)
     response = httpx.post(f"{small.url}/v1/completions", timeout=30,
                           json={"model": MODEL, "prompt": "x" * 10_000, "max_tokens": 1})
@@ -230,7 +230,7 @@ def test_body_too_large_is_413(make_gateway: Any) -> None:
     assert response.json()["error"]["code"] == "request_too_large"
 
 
-def test_api_key_is_enforced(make_gateway: Any) -> None:
+def test_api_key_is_enforced(make_gateway: Any, worker: Any) -> None:  # (over the session's worker)
     locked = make_gateway(api_key="s3cret")
     for key in ("wrong", ""):
         bad = openai.OpenAI(base_url=f"{locked.url}/v1", api_key=key or "x", max_retries=0)
@@ -242,7 +242,7 @@ def test_api_key_is_enforced(make_gateway: Any) -> None:
     assert httpx.get(f"{locked.url}/health", timeout=10).status_code == 200  # ops routes stay open
 
 
-def test_full_queue_is_429_with_retry_after(make_gateway: Any) -> None:
+def test_full_queue_is_429_with_retry_after(make_gateway: Any, worker: Any) -> None:  # (over the session's worker)
     tight = make_gateway(max_queue=1)
     client = openai.OpenAI(base_url=f"{tight.url}/v1", api_key="x", max_retries=0)
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=64, temperature=0,
