@@ -12,7 +12,7 @@ setup:
 
 # the whole suite, on two workers: the slowest files first (tests/conftest.py), each file on one worker
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # everything that needs none of the heavy parts, in about a minute
 test-fast: setup

@@ -211,15 +211,36 @@ def tokenizer() -> Any:
 @pytest.fixture(scope="session")
 @needs("model")
 def hf_model() -> Any:
-    """Hugging Face transformers' model loaded from the same GGUF file (the parity reference)."""
+    """Hugging Face transformers' model loaded from the same GGUF file (the parity reference).
+
+    Converting the GGUF is transformers' slow part (it dequantizes every tensor in Python), so its result is
+    kept once per machine: transformers' own `save_pretrained` of the model it built, under a key of the GGUF
+    file's bytes and the transformers and torch versions, and reloaded from there by transformers. What the
+    parity tests compare against is still transformers' reading of that GGUF."""
     import torch
     import transformers
 
     path = default_model_path()
+    digest = hashlib.sha256(path.read_bytes())
+    digest.update(f"{transformers.__version__} {torch.__version__}".encode())
+    cache = _cache_home() / "dynserve" / "hf-reference" / digest.hexdigest()[:24]
+    if (cache / "complete").exists():
+        return transformers.AutoModelForCausalLM.from_pretrained(str(cache), dtype=torch.float32).eval()
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     )
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache.parent))
+    model.save_pretrained(str(staging))
+    (staging / "complete").touch()
+    with contextlib.suppress(OSError):  # another process kept the same one first: either serves
+        staging.rename(cache)
+    shutil.rmtree(staging, ignore_errors=True)
     return model.eval()
+
+
+def _cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 # ---- serving: one Ray instance, one engine worker, gateways over it ------------------------------------

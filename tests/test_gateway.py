@@ -301,26 +301,17 @@ def test_disconnect_frees_the_workers_blocks_within_1s(gateway: Any, worker: Any
             "stream": True}
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()
-        tokens, lines = 0, []
-        for line in response.iter_lines():
-            lines.append(line)
-            if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
-                tokens += 1
-            if tokens == 3:
-                break
-        # the 500-token request holds its blocks while it streams; the load is asked over Ray, and two CI runs
-        # on clean clones (of about eight) read 0 here once: ask again for up to 2 s, and name what was seen
-        deadline_s = time.monotonic() + 2.0
-        while (used := _blocks_used(worker)) <= baseline:
-            if time.monotonic() >= deadline_s:
-                import ray
-
-                members = {w: (c.info.host, c.info.port, c.num_open_streams)
-                           for w, c in gateway.app.state.workers.connections.items()}
-                raise AssertionError(f"blocks {baseline} -> {used}; worker load {ray.get(worker[0].load.remote())}; "
-                                     f"worker info {worker[1]}; gateway members {members}; lines {lines}")
-            time.sleep(0.05)
-    dropped_s = time.monotonic()
+        # One iterator, held: a `for` over `iter_lines()` left with `break` is finalized at once, and httpx
+        # then closes the connection, so the client would already be gone while this checks that it is served.
+        lines = response.iter_lines()
+        num_pieces = 0
+        while num_pieces < 3:
+            line = next(lines)
+            num_pieces += line.startswith("data: ") and '"content":"' in line and '"content":""' not in line
+        time.sleep(0.5)  # connected but not reading: the request goes on and holds its blocks
+        assert _blocks_used(worker) > baseline
+        assert [c.num_open_streams for c in gateway.app.state.workers.connections.values()] == [1]
+    dropped_s = time.monotonic()  # the response is closed: the client is gone
     while _blocks_used(worker) != baseline:
         assert time.monotonic() - dropped_s < 1.0, "blocks still held 1 s after the client left"
         time.sleep(0.02)
@@ -379,7 +370,7 @@ def test_models_health_ready_openapi_metrics(gateway: Any, client: openai.OpenAI
 def _own_stream_check(url: str, seed: int, stop_after: int | None) -> list[str]:
     """One seeded chat stream of QUESTION, read raw: its first event is the role chunk, every chunk carries
     the same id, and the text pieces, in order. With `stop_after`, the client leaves after that many pieces."""
-    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 1.0, "seed": seed,
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 1.0, "seed": seed,
             "ignore_eos": True, "stream": True}
     pieces: list[str] = []
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as response:
@@ -407,13 +398,15 @@ def _own_stream_check(url: str, seed: int, stop_after: int | None) -> list[str]:
 def test_concurrent_identical_streams_each_get_their_own_answer_from_the_first_chunk(gateway: Any) -> None:
     """Many streams of one prompt at once, seeded apart so each answer is its own; some clients leave early
     and ask again at once. Every stream must begin with its role chunk and read exactly its own answer's text
-    (the text its seed gives unstreamed) from the first piece on; nothing of another request may arrive."""
-    seeds = list(range(100, 112))
+    (the text its seed gives unstreamed) from the first piece on; nothing of another request may arrive.
+    (The disconnect test's old flake looked like a stream of another request; it was its own client leaving
+    early, see that test.)"""
+    seeds = list(range(100, 108))
     with httpx.Client(timeout=120) as http:
         expected = {}
         for seed in seeds:
             answer = http.post(f"{gateway.url}/v1/chat/completions", json={
-                "model": MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 1.0, "seed": seed,
+                "model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 1.0, "seed": seed,
                 "ignore_eos": True}).json()
             expected[seed] = answer["choices"][0]["message"]["content"]
     assert len(set(expected.values())) > len(seeds) // 2  # the seeds do tell the answers apart

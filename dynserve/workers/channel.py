@@ -281,9 +281,9 @@ class WorkerConnection:
             raise InvalidRequestError(f"request id {request.request_id!r} is already streaming", param="request_id")
         queue: asyncio.Queue[_StreamItem] = asyncio.Queue()
         self._streams[request.request_id] = queue
-        self._send(request)
         finished = False
         try:
+            self._send(request)  # inside: a connection found closed here must not leave the stream listed
             while not finished:
                 items = [await queue.get()]
                 while not queue.empty():
