@@ -14,6 +14,7 @@ first.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import os
 import re
@@ -214,9 +215,10 @@ def hf_model() -> Any:
     """Hugging Face transformers' model loaded from the same GGUF file (the parity reference).
 
     Converting the GGUF is transformers' slow part (it dequantizes every tensor in Python), so its result is
-    kept once per machine: transformers' own `save_pretrained` of the model it built, under a key of the GGUF
-    file's bytes and the transformers and torch versions, and reloaded from there by transformers. What the
-    parity tests compare against is still transformers' reading of that GGUF."""
+    kept once per machine: the fp32 weights of the model transformers built and its config, under a key of the
+    GGUF file's bytes and the transformers and torch versions, and reloaded from there by transformers (the
+    same logits, bit for bit). What the parity tests compare against is still transformers' reading of that
+    GGUF."""
     import torch
     import transformers
 
@@ -231,7 +233,13 @@ def hf_model() -> Any:
     )
     cache.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=cache.parent))
-    model.save_pretrained(str(staging))
+    from safetensors.torch import save_model
+
+    save_model(model, str(staging / "model.safetensors"))  # (save_pretrained refuses a model read from GGUF)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(str(staging))
     (staging / "complete").touch()
     with contextlib.suppress(OSError):  # another process kept the same one first: either serves
         staging.rename(cache)
