@@ -22,7 +22,9 @@ fi
 stamp="$VENV/.dynserve-setup"
 want=$(cat requirements.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
+  # --no-compile: byte-compiling every module of torch, ray and the rest at install time costs ~40 s here;
+  # Python compiles what is imported, once, on first import instead
+  pip=("$VENV/bin/python" -m pip install --quiet --no-compile --disable-pip-version-check)
   echo "setup: installing torch 2.13.0 (CPU build)"
   "${pip[@]}" torch==2.13.0
   echo "setup: installing pinned requirements"
