@@ -31,8 +31,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # serve on loopback (the variable reaches Ray's actors through the raylet the session starts).
 os.environ.setdefault("DYN_ADVERTISE_HOST", "127.0.0.1")
 # The suite runs more compute threads than the machine has cores (two test workers, each with engines and
-# model workers of two threads). OpenMP's idle threads spin by default, taking the core from the thread
-# that has work: two heavy test files side by side took 2 min 8 s so and 55 s with waiting threads asleep.
+# model workers of two threads). OpenMP's idle threads spin by default, taking the core from the thread that
+# has work: two heavy test files side by side took 2 min 8 s spinning, 55 s with waiting threads asleep.
 # Set before torch is imported anywhere; Ray's workers and `dynctl serve` inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -82,7 +82,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--ray-address", default=None,
                      help="run the tests that are not about starting Ray on this Ray cluster instead of a "
                           "local one started for the test run")
-    parser.addoption("--fuzz-profile", default=os.environ.get("DYN_FUZZ_PROFILE", "ci"), choices=["ci", "thorough"],
+    parser.addoption("--fuzz-profile", default=os.environ.get("DYN_FUZZ_PROFILE", "ci"),
+                     choices=["ci", "thorough"],
                      help="the fuzzers' budget: 'ci' (make test) or 'thorough' (1,000+ requests; benchmarks, "
                           "nightly runs); env: DYN_FUZZ_PROFILE")
 
@@ -125,8 +126,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 class LazyModule:
     """A module imported on first use: test modules of torch code name `torch` (or an engine module) at the
-    top and still import nothing heavy while pytest collects them. Only reading goes through it: patch a module
-    by its dotted name (`monkeypatch.setattr("package.module.NAME", value)`)."""
+    top and still import nothing heavy while pytest collects them. Only reading goes through it: patch a
+    module by its dotted name (`monkeypatch.setattr("package.module.NAME", value)`)."""
 
     def __init__(self, name: str) -> None:
         object.__setattr__(self, "_name", name)
@@ -153,7 +154,8 @@ def lazy_import(name: str) -> Any:
 
 def _commit() -> str:
     try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10)
     except OSError:
         return "unknown"
     return done.stdout.strip() or "unknown"
