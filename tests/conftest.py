@@ -169,7 +169,7 @@ FUZZ_SEED = int(hashlib.sha256(_commit().encode()).hexdigest()[:12], 16)
 @needs("fuzz")
 def fuzz_budget(request: pytest.FixtureRequest) -> Callable[[int], hypothesis_settings]:
     """fuzz_budget(thorough_examples) -> Hypothesis settings: the thorough profile's count, or a quarter of it
-    (at least 20) in make test; seeded from the commit (`FUZZ_SEED`), with no example database."""
+    (at least 20) in make test, with no example database. (The tests seed their search with `FUZZ_SEED`.)"""
     thorough = request.config.getoption("--fuzz-profile") == "thorough"
 
     def budget(thorough_examples: int) -> hypothesis_settings:
