@@ -50,6 +50,7 @@ _PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/
 _KINDS = {"deployments": "Deployment", "services": "Service", "configmaps": "ConfigMap",
           "serviceaccounts": "ServiceAccount", "pods": "Pod", "events": "Event", "roles": "Role",
           "rolebindings": "RoleBinding", "poddisruptionbudgets": "PodDisruptionBudget",
+          "networkpolicies": "NetworkPolicy",
           "servicemonitors": "ServiceMonitor", "prometheusrules": "PrometheusRule",
           "dynservedeployments": "DynServeDeployment", "dynservepools": "DynServePool"}
 _CHECKED_KINDS = {"DynServeDeployment", "DynServePool"}

@@ -429,6 +429,7 @@ NAMESPACED_NEEDS: dict[tuple[str, str], set[str]] = {
     ("", "pods"): {"get", "list", "watch"},
     ("", "events"): {"create", "patch"},
     ("policy", "poddisruptionbudgets"): _EDIT,
+    ("networking.k8s.io", "networkpolicies"): _EDIT,
     ("monitoring.coreos.com", "servicemonitors"): _EDIT,
     ("rbac.authorization.k8s.io", "roles"): _EDIT,
     ("rbac.authorization.k8s.io", "rolebindings"): _EDIT,

@@ -132,7 +132,10 @@ def test_disaggregated_children_carry_the_spec_to_the_pods() -> None:
     decode = _by(children, "Deployment", "smol-decode")
     pod = decode["spec"]["template"]["spec"]
     assert decode["spec"]["replicas"] == 2
-    assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 1}}
+    # the GPU the spec asks for; CPU and memory by default: a Ray CPU, the runtime, /dev/shm, a named model
+    # (4 GiB) and the KV cache (1 GiB), each limit its request
+    assert pod["containers"][0]["resources"] == {"requests": {"cpu": "1", "memory": "6464Mi"},
+                                                 "limits": {"cpu": "1", "memory": "6464Mi", "nvidia.com/gpu": 1}}
     assert pod["nodeSelector"] == {"gpu": "h100"} and pod["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert pod["initContainers"][0]["command"][-2:] == [DISAGG["model"]["uri"], "/models/smollm2.gguf"]
     # the pod's Ray node offers the resource the head's pool asks its workers for, with the pod's CPUs

@@ -15,7 +15,11 @@ What one deployment `NAME` becomes (all in its namespace, owned by it, labelled 
   workers' metrics;
 - with the planner: ServiceAccount `NAME-head` and a Role and RoleBinding letting it scale the DynServePools;
 - with a bundled Redis event plane: Deployment and Service `NAME-redis`;
-- with `observability.serviceMonitor`: a ServiceMonitor for the gateway's and the workers' metrics.
+- with `observability.serviceMonitor`: a ServiceMonitor for the gateway's and the workers' metrics;
+- unless `security.networkPolicy.enabled` is false, NetworkPolicy `NAME`.
+
+Every pod is locked down as `hardening.py` says: non-root, no capabilities, a read-only root filesystem with
+emptyDirs where it writes, resources, no service-account token unless the planner scales through it.
 
 The pods' commands are what a test runs as local processes on hosts made of network namespaces
 (`tests/test_operator_pods.py`): `pod_command` and `pod_env` are that contract.
@@ -29,6 +33,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from dynserve import __version__
+from dynserve.operator.hardening import (
+    CONTAINER_SECURITY, DEFAULT_CPU, OBJECT_STORE_BYTES, build_network_policy, cache_env, container_resources,
+    cpu_quantity, default_memory_bytes, pod_security, writable_volumes,
+)
 from dynserve.operator.spec import (
     API_VERSION, GROUP, KIND, POOL_KIND, POOL_ROLES, DeploymentSpec, PoolSpec, Resources, Toleration,
 )
@@ -43,7 +51,6 @@ METRICS_PORT = 9100  # each worker pod serves its metrics here (its own IP: no t
 GATEWAY_PORT_NAME = "http"
 MODELS_DIR = "/models"
 PRE_STOP = ["/bin/sh", "-c", "ray stop --grace-period 20"]
-OBJECT_STORE_BYTES = 256 * 2**20  # Ray's object store: small, no tensors pass through it
 MANAGER = "dynserve-operator"
 DEPLOYMENT_LABEL = f"{GROUP}/deployment"
 POOL_LABEL = f"{GROUP}/pool"
@@ -165,6 +172,7 @@ def pod_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
         {"name": "DYN_ADVERTISE_HOST", "value": "$(POD_IP)"},
         {"name": "RAY_AUTH_MODE", "value": "disabled"},  # the cluster's network is the pods' own
         {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
+        *cache_env(),
     ]
     for name, ref in (("DYN_API_KEY", spec.gateway.api_key_secret), ("DYN_CLUSTER_TOKEN", spec.cluster_token_secret)):
         if ref is not None:
@@ -172,10 +180,11 @@ def pod_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _resources(resources: Resources) -> dict[str, Any]:
-    out = {key: dict(value) for key, value in (("requests", resources.requests), ("limits", resources.limits))
-           if value}
-    return out
+def image_of(spec: DeploymentSpec) -> str:
+    """The pods' image: the repository at the spec's tag (default: the operator's version), pinned to the
+    spec's digest when it gives one."""
+    image = f"{spec.image.repository}:{spec.image.tag or __version__}"
+    return f"{image}@{spec.image.digest}" if spec.image.digest else image
 
 
 def _tolerations(tolerations: list[Toleration]) -> list[dict[str, Any]]:
@@ -184,20 +193,26 @@ def _tolerations(tolerations: list[Toleration]) -> list[dict[str, Any]]:
 
 def _pod_spec(name: str, spec: DeploymentSpec, container: dict[str, Any], *, node_selector: dict[str, str],
               tolerations: list[Toleration], service_account: str | None = None) -> dict[str, Any]:
-    image = f"{spec.image.repository}:{spec.image.tag or __version__}"
+    image = image_of(spec)
+    volumes, mounts = writable_volumes(spec)
     container = {"image": image, "imagePullPolicy": spec.image.pull_policy,
                  "envFrom": [{"configMapRef": {"name": f"{name}-config"}}],
-                 "env": pod_env(spec), **container}
-    pod: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 60}
+                 "env": pod_env(spec), "securityContext": CONTAINER_SECURITY, **container}
+    # a token only for a pod that talks to the API server (the head, when the planner scales through it)
+    pod: dict[str, Any] = {"securityContext": pod_security(spec), "automountServiceAccountToken": service_account
+                           is not None, "containers": [container], "terminationGracePeriodSeconds": 60}
     volume = spec.model.volume or ({"emptyDir": {}} if spec.model.uri else None)
     if volume is not None:
-        pod["volumes"] = [{"name": "models", **volume}]
-        container["volumeMounts"] = [{"name": "models", "mountPath": MODELS_DIR}]
+        volumes.append({"name": "models", **volume})
+        mounts.append({"name": "models", "mountPath": MODELS_DIR})
+    pod["volumes"], container["volumeMounts"] = volumes, mounts
     if spec.model.uri:
         pod["initContainers"] = [{
             "name": "fetch-model", "image": image, "imagePullPolicy": spec.image.pull_policy,
             "command": ["python", "-m", "dynserve.operator.fetch", spec.model.uri, model_path(spec)],
-            "volumeMounts": [{"name": "models", "mountPath": MODELS_DIR}]}]
+            "securityContext": CONTAINER_SECURITY,
+            "resources": container_resources(Resources(), cpu="500m", memory_bytes=512 * 2**20),
+            "volumeMounts": [m for m in mounts if m["mountPath"] in ("/tmp", MODELS_DIR)]}]
     if node_selector:
         pod["nodeSelector"] = dict(node_selector)
     if tolerations:
@@ -224,7 +239,8 @@ def build_head(name: str, namespace: str, spec: DeploymentSpec, uid: str | None 
         # the model loads and the first workers join before the gateway answers
         "startupProbe": {"httpGet": {"path": "/health", "port": GATEWAY_PORT_NAME}, "periodSeconds": 5,
                          "failureThreshold": 120},
-        **({"resources": r} if (r := _resources(spec.gateway.resources)) else {}),
+        "resources": container_resources(spec.gateway.resources, cpu=DEFAULT_CPU["head"],
+                                         memory_bytes=default_memory_bytes(spec, "head")),
     }
     account = f"{name}-head" if spec.planner.enabled else None
     selector = selector_labels(name, "head")
@@ -318,9 +334,14 @@ def build_pool_deployment(name: str, namespace: str, spec: DeploymentSpec, pool:
                                ray_cpus=_ray_cpus(pool_spec)),
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
         "readinessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 5},
+        # a node whose worker is gone (and not replaced) restarts: the head's pool places a new one on it
+        "livenessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 10, "failureThreshold": 6},
+        # the node joins the head and the worker loads the model before it serves
+        "startupProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 5, "failureThreshold": 120},
         # `ray start --block` does not end on SIGTERM: stopping the node's Ray processes ends it
         "lifecycle": {"preStop": {"exec": {"command": PRE_STOP}}},
-        **({"resources": r} if (r := _resources(pool_spec.resources)) else {}),
+        "resources": container_resources(pool_spec.resources, cpu=cpu_quantity(_ray_cpus(pool_spec)),
+                                         memory_bytes=default_memory_bytes(spec, "worker")),
     }
     template_labels = {**meta["labels"], f"{GROUP}/worker": "true"}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
@@ -353,14 +374,21 @@ def _workers_service(name: str, namespace: str, spec: DeploymentSpec, uid: str |
 def build_redis(name: str, namespace: str, spec: DeploymentSpec, uid: str | None = None) -> list[dict[str, Any]]:
     selector = selector_labels(name, "redis")
     meta = _meta(name, namespace, "redis", spec, uid, f"{name}-redis")
-    container = {"name": "redis", "image": spec.event_plane.redis_image,
+    container = {"name": "redis", "image": spec.event_plane.redis_image, "imagePullPolicy": spec.image.pull_policy,
                  "args": ["--save", "", "--appendonly", "no"],  # the event plane is rebuilt from the workers
                  "ports": [{"name": "redis", "containerPort": 6379}],
-                 "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}}
+                 "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+                 "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10, "failureThreshold": 6},
+                 "securityContext": CONTAINER_SECURITY,
+                 "resources": container_resources(Resources(), cpu="250m", memory_bytes=256 * 2**20),
+                 # its working directory; nothing is saved there (no snapshots, no append-only file)
+                 "volumeMounts": [{"name": "data", "mountPath": "/data"}]}
+    pod = {"securityContext": pod_security(spec), "automountServiceAccountToken": False, "containers": [container],
+           "volumes": [{"name": "data", "emptyDir": {}}]}
     return [
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
          "spec": {"replicas": 1, "selector": {"matchLabels": selector},
-                  "template": {"metadata": {"labels": meta["labels"]}, "spec": {"containers": [container]}}}},
+                  "template": {"metadata": {"labels": meta["labels"]}, "spec": pod}}},
         {"apiVersion": "v1", "kind": "Service", "metadata": _meta(name, namespace, "redis", spec, uid, f"{name}-redis"),
          "spec": {"selector": selector, "ports": [{"name": "redis", "port": 6379, "targetPort": "redis"}]}},
     ]
@@ -394,4 +422,7 @@ def build_children(name: str, namespace: str, spec: DeploymentSpec, *, uid: str 
     children.append(_workers_service(name, namespace, spec, uid))
     if spec.observability.service_monitor:
         children.append(build_service_monitor(name, namespace, spec, uid))
+    if spec.security.network_policy.enabled:
+        children.append(build_network_policy(_meta(name, namespace, "network-policy", spec, uid), spec,
+                                             metrics_port=METRICS_PORT))
     return children

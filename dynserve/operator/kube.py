@@ -63,6 +63,7 @@ KINDS: dict[str, ResourceKind] = {
     "Role": ResourceKind("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ResourceKind("rbac.authorization.k8s.io/v1", "rolebindings"),
     "PodDisruptionBudget": ResourceKind("policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ResourceKind("networking.k8s.io/v1", "networkpolicies"),
     "ServiceMonitor": ResourceKind("monitoring.coreos.com/v1", "servicemonitors"),
     "PrometheusRule": ResourceKind("monitoring.coreos.com/v1", "prometheusrules"),
     KIND: ResourceKind(API_VERSION, "dynservedeployments"),

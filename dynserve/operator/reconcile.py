@@ -31,7 +31,7 @@ SPEC_REPLICAS_ANNOTATION = "dynserve.io/spec-replicas"  # on a DynServePool: the
 _OWNED_KINDS = (("v1", "ConfigMap"), ("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ServiceAccount"),
                 ("rbac.authorization.k8s.io/v1", "Role"), ("rbac.authorization.k8s.io/v1", "RoleBinding"),
                 ("policy/v1", "PodDisruptionBudget"), ("monitoring.coreos.com/v1", "ServiceMonitor"),
-                (API_VERSION, POOL_KIND))
+                ("networking.k8s.io/v1", "NetworkPolicy"), (API_VERSION, POOL_KIND))
 
 
 class Client(Protocol):

@@ -11,7 +11,7 @@ keeps (`parse_deployment` raises InvalidRequestError naming the field otherwise)
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,8 +21,8 @@ from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 
 __all__ = [
-    "API_VERSION", "GROUP", "KIND", "POOL_KIND", "POOL_ROLES", "VERSION", "DeploymentSpec", "PoolSpec",
-    "PoolResourceSpec", "parse_deployment", "parse_pool",
+    "API_VERSION", "GROUP", "KIND", "POOL_KIND", "POOL_ROLES", "RUN_AS_UID", "VERSION", "DeploymentSpec",
+    "PoolSpec", "PoolResourceSpec", "SecuritySpec", "parse_deployment", "parse_pool",
 ]
 
 GROUP, VERSION = "dynserve.io", "v1alpha1"
@@ -30,6 +30,9 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND, POOL_KIND = "DynServeDeployment", "DynServePool"
 POOL_ROLES = {"workers": "both", "prefill": "prefill", "decode": "decode"}  # pool name -> the workers' role
 DEFAULT_IMAGE = "ghcr.io/dynserve/dynserve"
+RUN_AS_UID = 10001  # the image's user and group (deploy/docker/Dockerfile's USER): not root, above host UIDs
+# where the pods write: every other path of their root filesystem is read-only (`hardening.py` mounts these)
+OPERATOR_WRITABLE_PATHS = frozenset({"/tmp", "/dev/shm", "/var/cache/dynserve", "/models"})
 
 # DYN_* variables the operator sets from the spec itself (or per pod): `env` may not set them
 OPERATOR_ENV = frozenset({
@@ -78,13 +81,18 @@ class ModelSource(_Model):
 class ImageSpec(_Model):
     repository: str = Field(DEFAULT_IMAGE, min_length=1, description="the dynserve image (deploy/docker)")
     tag: str | None = Field(None, description="default: the operator's own version")
-    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field("IfNotPresent")
+    digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$", description="pin the image by its "
+                               "digest (sha256:...): the pods run exactly it, whatever the tag points to later")
+    pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "Always", description="Always: each pod start checks the registry with its own pull secret (layers "
+        "already on the node are not fetched again), so no pod runs a private image another pulled")
     pull_secrets: list[str] = Field(default_factory=list, description="names of image pull Secrets")
 
 
 class Resources(_Model):
     """A container's resource requests and limits (quantities as Kubernetes writes them: 2, "500m", "4Gi";
-    GPUs as `nvidia.com/gpu` limits)."""
+    GPUs as `nvidia.com/gpu` limits). CPU and memory not given default to what the pod needs (the model, its
+    KV cache, Ray's object store in /dev/shm); a limit not given is the request (Guaranteed QoS)."""
 
     requests: dict[str, int | str] = Field(default_factory=dict, json_schema_extra={"int_or_string": True})
     limits: dict[str, int | str] = Field(default_factory=dict, json_schema_extra={"int_or_string": True})
@@ -200,6 +208,50 @@ class ObservabilitySpec(_Model):
     scrape_interval_seconds: int = Field(15, ge=1)
 
 
+class NetworkPolicySpec(_Model):
+    """The deployment's NetworkPolicy (ingress; egress is left open): every port between the deployment's
+    own pods (Ray's, the worker channel, KV transfer, the event plane), the gateway's port from
+    `gatewayFrom`, the gateway's and the workers' metrics ports from `metricsFrom`; nothing else."""
+
+    enabled: bool = Field(True, description="false: no NetworkPolicy (a cluster whose own policies cover the "
+                          "namespace)")
+    gateway_from: list[dict[str, Any]] | None = Field(
+        None, description="NetworkPolicy peers (podSelector, namespaceSelector, ipBlock) that may reach the "
+        "gateway's port; default: the namespace's pods, or anyone with serviceType NodePort or LoadBalancer")
+    metrics_from: list[dict[str, Any]] | None = Field(
+        None, description="NetworkPolicy peers that may scrape the metrics ports; default: Prometheus pods "
+        "(label app.kubernetes.io/name: prometheus) of any namespace")
+
+
+class SecuritySpec(_Model):
+    """How the pods are locked down: a non-root user, no privilege escalation, no capabilities, the runtime's
+    seccomp profile, a read-only root filesystem with emptyDirs where they write, and a NetworkPolicy."""
+
+    run_as_user: int = Field(RUN_AS_UID, ge=1, description="the pods' user ID (never 0: runAsNonRoot); the "
+                             "image's user is 10001")
+    run_as_group: int = Field(RUN_AS_UID, ge=0, description="the pods' group ID, also the volumes' group "
+                              "(fsGroup)")
+    # absolute, no `.` or `..` segment; the CRD refuses a repeat (a set) and the paths already writable (CEL)
+    writable_paths: list[Annotated[str, Field(pattern=r"^(/[A-Za-z0-9_-][A-Za-z0-9._-]*)+$", max_length=255)]] = Field(
+        default_factory=list, max_length=16, description="more directories the pods may write, each an emptyDir "
+        "(the root filesystem is read-only; /tmp, /dev/shm, /var/cache/dynserve and /models are already writable)",
+        json_schema_extra={"x-kubernetes-list-type": "set", "x-kubernetes-validations": [{
+            "rule": "self.all(p, !(p in ['/tmp', '/dev/shm', '/var/cache/dynserve', '/models']) && "
+                    "!p.matches('^/(proc|sys|dev)(/|$)'))",
+            "message": "a path already writable, or under /proc, /sys or /dev"}]})
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+
+    @field_validator("writable_paths")
+    @classmethod
+    def _paths_are_new_directories(cls, paths: list[str]) -> list[str]:
+        for path in paths:
+            if path in OPERATOR_WRITABLE_PATHS or path.split("/")[1] in ("proc", "sys", "dev"):
+                raise ValueError(f"{path}: already writable, or under /proc, /sys or /dev")
+        if len(set(paths)) != len(paths):
+            raise ValueError("a path given twice")
+        return paths
+
+
 class EnvVar(_Model):
     name: str = Field(pattern=r"^DYN_[A-Z0-9_]+$")
     value: str
@@ -221,6 +273,7 @@ class DeploymentSpec(_Model):
         "channel, event plane, TCP KV transfer) then serves only the deployment's own pods (strongly advised)")
     env: list[EnvVar] = Field(default_factory=list, description="more dynserve settings for every pod, as "
                               "DYN_* variables")
+    security: SecuritySpec = Field(default_factory=SecuritySpec)
 
     @field_validator("env")
     @classmethod
