@@ -236,6 +236,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     num_blocks: int
     kv_agent: bytes | None = None  # transfer agent metadata (`KVConnector.metadata()`) of a prefill worker
     metrics_port: int | None = None  # where it serves Prometheus metrics (at `host`), when it does
+    # what serves it: dynserve's engine (`host:port` is its channel), `vllm` or `openai` (`host:port` is the
+    # server's OpenAI HTTP API; `metrics_port` its own port too)
+    engine: str = "dynserve"
 
 
 class RequestTiming(msgspec.Struct, kw_only=True, frozen=True):

@@ -298,33 +298,6 @@ def test_the_first_token_reaches_the_client_before_the_decode_worker_has_the_kv(
         ray_instance.kill(handle)
 
 
-def test_a_prefill_worker_that_dies_costs_a_local_prefill(make_mocker: Any, make_gateway: Any,
-                                                          ray_instance: Any) -> None:
-    slow_prefill, prefill_info = make_mocker("mp-dies", "prefill", mocker_speedup=1, **MOCK)  # ~2 s per prompt
-    handle, decode = make_mocker("md-ok", "decode", mocker_speedup=50, **MOCK)
-    try:
-        server = make_gateway(infos=[prefill_info, decode], namespace=MOCK["namespace"],
-                              disagg_local_prefill_tokens=0)
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-        async def run() -> Any:
-            async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0,
-                                          timeout=60) as async_client:
-                request = asyncio.ensure_future(async_client.completions.create(
-                    model=MODEL, prompt=LONG_PROMPT, max_tokens=8, temperature=0))
-                await asyncio.sleep(0.7)  # the prompt is on the prefill worker now
-                ray_instance.kill(slow_prefill)
-                return await request
-
-        answer = asyncio.run(run())
-        assert answer.choices[0].text and answer.usage.completion_tokens == 8
-        assert _metric(server.url, "dynserve_disagg_fallbacks_total", "prefill_failed") == 1
-        again = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=4, temperature=0)
-        assert again.choices[0].text  # with no prefill worker left, the decode worker prefills
-    finally:
-        ray_instance.kill(handle)
-
-
 def test_no_block_leaks_after_200_requests_with_random_cancellations(mock_prefill: Any, make_mocker: Any,
                                                                      make_gateway: Any, ray_instance: Any) -> None:
     handle, decode = make_mocker("md-leak", "decode", mocker_speedup=50, **MOCK)

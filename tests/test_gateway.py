@@ -310,7 +310,7 @@ def test_disconnect_frees_the_workers_blocks_within_1s(gateway: Any, worker: Any
             num_pieces += line.startswith("data: ") and '"content":"' in line and '"content":""' not in line
         time.sleep(0.5)  # connected but not reading: the request goes on and holds its blocks
         assert _blocks_used(worker) > baseline
-        assert [c.num_open_streams for c in gateway.app.state.workers.connections.values()] == [1]
+        assert [c.num_open_streams for c in gateway.app.state.backend.directory.channels.values()] == [1]
     dropped_s = time.monotonic()  # the response is closed: the client is gone
     while _blocks_used(worker) != baseline:
         assert time.monotonic() - dropped_s < 1.0, "blocks still held 1 s after the client left"

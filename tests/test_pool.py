@@ -18,7 +18,7 @@ import pytest
 from conftest import needs
 
 from dynserve.errors import PoolError
-from dynserve.gateway.backend import membership_changes
+from dynserve.gateway.directory import membership_changes
 from dynserve.protocol import WorkerInfo
 from dynserve.workers.pool import PoolPolicy, RestartPolicy, worker_resources
 
@@ -187,7 +187,7 @@ def pool_gateway(pool: tuple[_LoopThread, Any], make_gateway: Any) -> Any:
 
 
 def _members(gateway: Any) -> Any:
-    return gateway.app.state.workers
+    return gateway.app.state.backend
 
 
 def _wait_until(condition: Any, timeout_s: float, what: str) -> float:
@@ -208,10 +208,10 @@ def _chat(gateway: Any, content: str, max_tokens: int = 2) -> httpx.Response:
 def test_an_added_worker_becomes_routable(pool: tuple[_LoopThread, Any], pool_gateway: Any) -> None:
     runner, worker_pool = pool
     members = _members(pool_gateway)
-    assert members.routable_ids() == ["pt-0", "pt-1"]
+    assert members.directory.routable_ids() == ["pt-0", "pt-1"]
     info = runner.run(worker_pool.add())
     assert info.worker_id == "pt-2"
-    _wait_until(lambda: "pt-2" in members.routable_ids(), 1.0, "the new worker becoming routable")
+    _wait_until(lambda: "pt-2" in members.directory.routable_ids(), 1.0, "the new worker becoming routable")
     for i in range(3):  # round robin over three workers: one of these goes to the new one
         assert _chat(pool_gateway, f"Say {i}.").status_code == 200
     assert members.num_routed["pt-2"] >= 1
@@ -229,10 +229,10 @@ def test_a_draining_worker_finishes_its_stream_and_takes_no_new_request(pool: tu
     with httpx.stream("POST", f"{pool_gateway.url}/v1/chat/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))  # streaming has begun
-        draining = next(w for w, c in members.connections.items() if c.num_open_streams)
+        draining = next(w for w, c in members.directory.channels.items() if c.num_open_streams)
         handle = worker_pool.handle(draining)
         removal = runner.submit(worker_pool.remove(draining))
-        _wait_until(lambda: draining not in members.routable_ids(), 1.0, "the drained worker leaving routing")
+        _wait_until(lambda: draining not in members.directory.routable_ids(), 1.0, "the drained worker leaving routing")
         routed_before = members.num_routed[draining]
         for i in range(3):
             assert _chat(pool_gateway, f"Count to {i}.").status_code == 200
@@ -254,7 +254,7 @@ def test_a_killed_worker_leaves_routing_within_1s_and_is_replaced(pool: tuple[_L
     _runner, worker_pool = pool
     members = _members(pool_gateway)
     survivors = sorted(i.worker_id for i in worker_pool.workers())
-    assert len(survivors) == 2 and members.routable_ids() == survivors
+    assert len(survivors) == 2 and members.directory.routable_ids() == survivors
     victim = survivors[0]
     num_routed_before = members.num_routed.total()
     # long distinct prompts: the victim cannot produce a first token before it is killed
@@ -265,7 +265,7 @@ def test_a_killed_worker_leaves_routing_within_1s_and_is_replaced(pool: tuple[_L
         _wait_until(lambda: members.num_routed[victim] > routed_before, 30.0, "a request reaching the victim")
         ray.kill(worker_pool.handle(victim))
         killed_s = time.monotonic()
-        _wait_until(lambda: victim not in members.routable_ids(), 1.0, "the gateway dropping the dead worker")
+        _wait_until(lambda: victim not in members.directory.routable_ids(), 1.0, "the gateway dropping the dead worker")
         _wait_until(lambda: victim not in {i.worker_id for i in worker_pool.workers()}, 1.0,
                     "the pool noticing the death")
         print(f"dead worker out of the gateway and the pool after {time.monotonic() - killed_s:.3f} s")
@@ -274,6 +274,6 @@ def test_a_killed_worker_leaves_routing_within_1s_and_is_replaced(pool: tuple[_L
     replacement = _wait_until(lambda: len(worker_pool.workers()) == 2, 180.0, "a replacement serving")
     new_ids = {i.worker_id for i in worker_pool.workers()} - set(survivors)
     assert new_ids == {"pt-3"}, new_ids
-    _wait_until(lambda: "pt-3" in members.routable_ids(), 1.0, "the replacement becoming routable")
+    _wait_until(lambda: "pt-3" in members.directory.routable_ids(), 1.0, "the replacement becoming routable")
     print(f"replacement serving {replacement:.1f} s after the death was seen")
     worker_pool.policy.check_integrity()

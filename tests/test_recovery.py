@@ -110,15 +110,15 @@ def test_a_registry_that_restarts_empty_does_not_empty_the_gateway(make_mocker: 
     registry.listing = infos
     server = make_gateway(infos=infos, registry=registry, namespace="recovery-reg", worker_lease_s=2.0,
                           registry_interval_s=0.1)
-    workers = server.app.state.workers
+    workers = server.app.state.backend
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
     registry.listing = []  # the registry restarted: nobody listed until the next heartbeats
     time.sleep(0.5)
-    assert sorted(workers.routable_ids()) == ["rec-0", "rec-1"]
+    assert sorted(workers.directory.routable_ids()) == ["rec-0", "rec-1"]
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
     registry.listing = infos[:1]  # one came back; the other is still missing after the grace: it leaves
     deadline_s = time.monotonic() + 10
-    while workers.routable_ids() != ["rec-0"]:
-        assert time.monotonic() < deadline_s, workers.routable_ids()
+    while workers.directory.routable_ids() != ["rec-0"]:
+        assert time.monotonic() < deadline_s, workers.directory.routable_ids()
         time.sleep(0.1)

@@ -60,7 +60,7 @@ def _cached(answer: dict[str, Any]) -> int:
 
 
 def _wait_for_index(gateway: Any, min_blocks: int) -> None:
-    index = gateway.app.state.workers.router.index
+    index = gateway.app.state.backend.router.index
     deadline = time.monotonic() + 5
     while index.num_blocks < min_blocks:
         assert time.monotonic() < deadline, "the router's index did not receive the workers' KV events"
@@ -89,7 +89,7 @@ def _wait_until_applied(gateway: Any, worker: Any) -> None:
 
     handle, info = worker
     _hashes, last_event_id = ray.get(handle.kv_snapshot.remote(), timeout=30)
-    index = gateway.app.state.workers.router.index
+    index = gateway.app.state.backend.router.index
     deadline = time.monotonic() + 10
     while last_event_id is not None:
         applied = index.last_event_id(info.worker_id)

@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import dynserve
 from dynserve.config import Settings
 from dynserve.gateway.admission import Admission
-from dynserve.gateway.backend import WorkerSet
+from dynserve.gateway.dispatcher import Backend
 from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes, GatewayState
 from dynserve.gateway.errors import ApiError, install_error_handlers
 from dynserve.gateway.http import AsgiHandler, Exchange
@@ -56,66 +56,43 @@ class Gateway:
         return self.api.router.lifespan_context(self.api)
 
 
-def build_app(settings: Settings, workers: WorkerSet, tokenizer: Tokenizer) -> Gateway:
-    """The gateway app; its lifespan connects to `workers` and starts polling their loads."""
-    state = GatewayState(settings, workers, tokenizer)
+def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer) -> Gateway:
+    """The gateway app; its lifespan connects to the backend's workers and starts polling their loads."""
+    state = GatewayState(settings, backend, tokenizer)
     if settings.admission_ttft_ms is not None:
         # it starts low and grows while first tokens come in time: a burst at start-up cannot blow the target
         state.admission = Admission(settings.admission_ttft_ms / 1000, max_limit=float(settings.max_queue),
                                     initial_limit=min(4.0, float(settings.max_queue)), clock=time.monotonic)
-    sets = [workers] if workers.prefill is None else [workers, workers.prefill]
-    _observe_workers(state, workers, sets)
-    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, workers, sets),
+    backend.add_observer(state.metrics)
+    pools = backend.pools()
+    if len(pools) > 1:
+        state.metrics.expect_disaggregation()
+    for pool, dispatcher in pools:
+        if dispatcher.router is not None:
+            state.metrics.watch_router(dispatcher.router, pool=pool)
+    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, backend),
                   description="OpenAI-compatible gateway of dynserve")
     install_error_handlers(api)
-    _add_ops_routes(api, state, workers, sets)
+    _add_ops_routes(api, state, backend)
     _add_model_routes(api, state)
     api.openapi = lambda: _openapi_with_completions(api)  # type: ignore[method-assign]
     return Gateway(state, api)
 
 
-def _observe_workers(state: GatewayState, workers: WorkerSet, sets: list[WorkerSet]) -> None:
-    """Hook the worker sets and the router into the gateway's metrics."""
-    for worker_set in sets:
-        worker_set._on_load = state.metrics.observe_load
-        worker_set._on_down = lambda info: state.metrics.observe_down(info.worker_id, info.role)
-        worker_set._on_leave = lambda info: state.metrics.forget_worker(info.worker_id, info.role)
-        worker_set._on_retry = state.metrics.retries.inc
-        worker_set._on_migration = lambda reason: state.metrics.migrations.labels(reason).inc()
-        worker_set.migration_limit = state.settings.migration_limit
-        worker_set.registry_grace_s = state.settings.worker_lease_s
-        worker_set.cluster_token = state.settings.secret("cluster_token")
-    if workers.prefill is not None:
-        state.metrics.expect_disaggregation()
-    workers._on_disagg = lambda path: state.metrics.disagg_requests.labels(path).inc()
-    workers._on_fallback = lambda reason: state.metrics.disagg_fallbacks.labels(reason).inc()
-    for worker_set in sets:
-        if worker_set.router is not None:
-            state.metrics.watch_router(worker_set.router, pool=_pool_of(worker_set))
-
-
-def _pool_of(worker_set: WorkerSet) -> str:
-    """The pool label of a worker set: prefill or decode when serving disaggregated, else both."""
-    if worker_set.roles == frozenset({"prefill"}):
-        return "prefill"
-    return "decode" if worker_set.prefill is not None else "both"
-
-
-def _lifespan(settings: Settings, workers: WorkerSet, sets: list[WorkerSet]
-              ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(settings: Settings, backend: Backend) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The FastAPI lifespan: connect to the workers, and feed each KV router from the event plane."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await workers.start()
+        await backend.start()
         consumers, planes = [], []
-        for worker_set in sets:
-            if worker_set.router is not None and worker_set.router.mode == "kv":
+        for _pool, dispatcher in backend.pools():
+            if dispatcher.router is not None and dispatcher.router.mode == "kv":
                 from dynserve.events.ray_plane import connect_event_plane
 
                 planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace,
                                                            cluster_token=settings.secret("cluster_token")))
-                consumers.append(asyncio.create_task(worker_set.router.consume(plane, workers.snapshot),
+                consumers.append(asyncio.create_task(dispatcher.router.consume(plane, backend.snapshot),
                                                      name="kv-events"))
         try:
             yield
@@ -124,12 +101,12 @@ def _lifespan(settings: Settings, workers: WorkerSet, sets: list[WorkerSet]
                 consumer.cancel()
             await asyncio.gather(*consumers, return_exceptions=True)
             await asyncio.gather(*(plane.close() for plane in planes), return_exceptions=True)
-            await workers.stop()
+            await backend.stop()
 
     return lifespan
 
 
-def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet, sets: list[WorkerSet]) -> None:
+def _add_ops_routes(api: FastAPI, state: GatewayState, backend: Backend) -> None:
     """Liveness, readiness, metrics and the fleet's scrape targets; no API key, but for the metrics routes
     when `metrics_require_key` is set (and a key is configured)."""
 
@@ -143,10 +120,10 @@ def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet, sets:
 
     @api.get("/ready", tags=["ops"], summary="a worker is connected and answering")
     async def ready() -> dict[str, Any]:
-        if not workers.is_ready():
+        if not backend.is_ready():
             raise ApiError.unavailable("no worker is ready yet")
         return {"status": "ready", "model": state.model_id,
-                "workers": sorted(wid for wid, c in workers.connections.items() if c.is_open)}
+                "workers": backend.pools()[0][1].directory.routable_ids()}  # the pool that answers: both or decode
 
     @api.get("/metrics", dependencies=[Depends(check_metrics_key)], tags=["ops"], summary="Prometheus metrics")
     async def metrics() -> Response:
@@ -155,18 +132,19 @@ def _add_ops_routes(api: FastAPI, state: GatewayState, workers: WorkerSet, sets:
     @api.get("/metrics/targets", dependencies=[Depends(check_metrics_key)], tags=["ops"],
              summary="Prometheus HTTP service discovery: this gateway and its workers' metrics endpoints")
     async def metrics_targets(request: Request) -> list[dict[str, Any]]:
-        return scrape_targets(request.headers.get("host", f"{state.settings.host}:{state.settings.port}"), sets)
+        return scrape_targets(request.headers.get("host", f"{state.settings.host}:{state.settings.port}"), backend)
 
 
-def scrape_targets(gateway_address: str, sets: list[WorkerSet]) -> list[dict[str, Any]]:
+def scrape_targets(gateway_address: str, backend: Backend) -> list[dict[str, Any]]:
     """Prometheus's HTTP SD document for the fleet this gateway serves: the gateway (at the address its
     scraper reached it by) and every member worker that serves metrics, one target group each, labelled
     `component` (the workers' series carry their own `worker_id`, `role`, `model`). The registry decides the
     members, so a worker that joins is listed by the next refresh and one that leaves or dies is not."""
     groups: list[dict[str, Any]] = [{"targets": [gateway_address], "labels": {"component": "gateway"}}]
-    for worker_set in sets:
-        for worker_id in sorted(worker_set.connections):
-            info = worker_set.connections[worker_id].info
+    for _pool, dispatcher in backend.pools():
+        channels = dispatcher.directory.channels
+        for worker_id in sorted(channels):
+            info = channels[worker_id].info
             if info.metrics_port is not None:
                 host = f"[{info.host}]" if ":" in info.host else info.host
                 groups.append({"targets": [f"{host}:{info.metrics_port}"], "labels": {"component": "worker"}})
@@ -191,7 +169,7 @@ def _add_model_routes(api: FastAPI, state: GatewayState) -> None:
 
 def _model_card(state: GatewayState) -> dict[str, Any]:
     return {"id": state.model_id, "object": "model", "created": 0, "owned_by": "dynserve",
-            "max_model_len": state.workers.max_model_len}
+            "max_model_len": state.backend.max_model_len}
 
 
 # one event of a completion stream (OpenAPI before 3.2 describes a stream's events, one at a time)

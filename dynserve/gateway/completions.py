@@ -31,7 +31,7 @@ import pydantic
 
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
-from dynserve.gateway.backend import WorkerSet
+from dynserve.gateway.dispatcher import Backend
 from dynserve.gateway.admission import Admission
 from dynserve.gateway.errors import ApiError, validation_error
 from dynserve.gateway.http import Exchange
@@ -58,7 +58,7 @@ _JSON_HEADERS = [(b"content-type", b"application/json")]
 @dataclass(slots=True)
 class GatewayState:
     settings: Settings
-    workers: WorkerSet
+    backend: Backend
     tokenizer: Tokenizer
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     num_inflight: int = 0
@@ -69,7 +69,7 @@ class GatewayState:
 
     @property
     def model_id(self) -> str:
-        return self.workers.model_id
+        return self.backend.model_id
 
     def check_api_key(self, authorization: str | None) -> None:
         """Raise ApiError 401 unless `authorization` is 'Bearer <api_key>' (compared in constant time) or no
@@ -91,7 +91,7 @@ class GatewayState:
         """While no worker is ready, hold for one up to `worker_wait_s` (a fleet scaling up from zero), so the
         request is served rather than refused; counted in `dynserve_gateway_waiting_for_worker_requests`."""
         wait_s = self.settings.worker_wait_s
-        if wait_s <= 0 or self.workers.is_ready():
+        if wait_s <= 0 or self.backend.is_ready():
             return
         gauge = self.metrics.waiting_for_worker
         gauge.inc()
@@ -100,14 +100,14 @@ class GatewayState:
             if self.on_waiting_for_worker is not None:
                 self.on_waiting_for_worker()
             deadline_s = time.monotonic() + wait_s
-            while not self.workers.is_ready() and time.monotonic() < deadline_s:
+            while not self.backend.is_ready() and time.monotonic() < deadline_s:
                 await asyncio.sleep(0.05)
         finally:
             gauge.dec()
             self.num_waiting_for_worker -= 1
 
     def admit(self) -> None:
-        if not self.workers.is_ready():
+        if not self.backend.is_ready():
             self.metrics.rejected.labels("not_ready").inc()
             raise ApiError.unavailable("no worker is ready yet; retry shortly", retry_after_s=2)
         if self.num_inflight >= self.settings.max_queue:
@@ -129,7 +129,7 @@ class CompletionRoutes:
         status = 500
         try:
             self.state.check_api_key(_header(exchange.headers, b"authorization"))
-            if self.state.settings.worker_wait_s > 0 and not self.state.workers.is_ready():
+            if self.state.settings.worker_wait_s > 0 and not self.state.backend.is_ready():
                 self._validate(kind, exchange.body)  # bad input is answered at once, not after the wait
                 await self.state.wait_for_worker()
             run, stream = self._start(kind, exchange.body)
@@ -162,7 +162,7 @@ class CompletionRoutes:
     def _start(self, kind: Kind, body: bytes) -> tuple[_Run, bool]:
         state = self.state
         request = self._validate(kind, body)
-        max_len = state.workers.max_model_len
+        max_len = state.backend.max_model_len
         if isinstance(request, ChatCompletionRequest):
             prepared = prepare_chat(request, state.tokenizer, max_len)
         else:
@@ -329,9 +329,9 @@ class _Run:
             self._waiting.cancel()
 
     async def _worker_deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
-        workers = self.state.workers
+        backend = self.state.backend
         if len(self.requests) == 1:
-            async with contextlib.aclosing(workers.generate(self.requests[0])) as stream:
+            async with contextlib.aclosing(backend.generate(self.requests[0])) as stream:
                 async for delta in stream:
                     yield 0, delta
             return
@@ -339,7 +339,7 @@ class _Run:
 
         async def pump(index: int, request: GenerateRequest) -> None:
             try:
-                async with contextlib.aclosing(workers.generate(request)) as stream:
+                async with contextlib.aclosing(backend.generate(request)) as stream:
                     async for delta in stream:
                         queue.put_nowait((index, delta))
                 queue.put_nowait((index, None))

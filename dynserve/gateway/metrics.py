@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any, get_args
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from dynserve.gateway.backend import BackendObserver
 from dynserve.gateway.disagg import PrefillPath
-from dynserve.protocol import WorkerLoad
+from dynserve.protocol import WorkerInfo, WorkerLoad
 
 if TYPE_CHECKING:
     from dynserve.router.cost import Decision
@@ -66,7 +67,9 @@ class EndpointSeries:
     generation_tokens: Any
 
 
-class GatewayMetrics:
+class GatewayMetrics(BackendObserver):
+    """The gateway's series; the backend's observer (`add_observer`)."""
+
     def __init__(self) -> None:
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("dynserve_requests", "Requests answered, by endpoint and HTTP status",
@@ -180,16 +183,28 @@ class GatewayMetrics:
 
     # ---- workers ---------------------------------------------------------------------------------------
 
-    def observe_load(self, load: WorkerLoad) -> None:
+    def on_load(self, load: WorkerLoad) -> None:
         self.child(self.worker_up, load.worker_id, load.role).set(1)
 
-    def observe_down(self, worker_id: str, role: str) -> None:
-        self.child(self.worker_up, worker_id, role).set(0)
+    def on_down(self, info: WorkerInfo) -> None:
+        self.child(self.worker_up, info.worker_id, info.role).set(0)
 
-    def forget_worker(self, worker_id: str, role: str) -> None:
+    def on_leave(self, info: WorkerInfo) -> None:
         """A worker left the fleet: its channel series goes (a fleet that scales would pile up zeros)."""
-        if self._children.pop((self.worker_up, worker_id, role), None) is not None:
-            self.worker_up.remove(worker_id, role)
+        if self._children.pop((self.worker_up, info.worker_id, info.role), None) is not None:
+            self.worker_up.remove(info.worker_id, info.role)
+
+    def on_retry(self) -> None:
+        self.retries.inc()
+
+    def on_migration(self, reason: str) -> None:
+        self.migrations.labels(reason).inc()
+
+    def on_disagg(self, path: str) -> None:
+        self.disagg_requests.labels(path).inc()
+
+    def on_fallback(self, reason: str) -> None:
+        self.disagg_fallbacks.labels(reason).inc()
 
 
 class RouterSeries:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import signal
 import threading
@@ -14,7 +15,10 @@ from collections.abc import Callable
 from dynserve.config import Settings
 from dynserve.events.base import EventPlane
 from dynserve.gateway.app import Gateway, build_app
-from dynserve.gateway.backend import WorkerSet
+from dynserve.gateway.backend import make_channel
+from dynserve.gateway.directory import WorkerDirectory
+from dynserve.gateway.disagg import DisaggregatedBackend
+from dynserve.gateway.dispatcher import Backend, Dispatcher
 from dynserve.gateway.http import HttpLimits, HttpServer
 from dynserve.hashing import model_salt
 from dynserve.model.resolve import resolve_model_path
@@ -22,7 +26,7 @@ from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import WorkerInfo
 from dynserve.router.router import Router
 
-__all__ = ["GatewayServer", "http_limits", "make_disaggregated_workers", "make_gateway_app", "serve_app",
+__all__ = ["GatewayServer", "http_limits", "make_backend", "make_disaggregated_backend", "make_gateway_app", "serve_app",
            "serve_app_async"]
 
 
@@ -30,19 +34,26 @@ def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tok
                      registry: EventPlane | None = None) -> Gateway:
     """The gateway over workers already started (their `WorkerInfo`s); loads the tokenizer if not given.
     With several workers, requests are routed by `settings.router` (the kv mode reads the event plane).
-    With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerSet`)."""
+    With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerDirectory`)."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
+    return build_app(settings, make_backend(settings, infos, registry, tokenizer), tokenizer)
+
+
+def make_backend(settings: Settings, infos: list[WorkerInfo], registry: EventPlane | None = None,
+                 tokenizer: Tokenizer | None = None) -> Backend:
+    """The backend over `infos` (or the registry): disaggregated when `settings.prefill_workers` or a prefill
+    worker among `infos` says so (prefill and decode dispatchers, each routed by `settings.router`), else
+    one dispatcher."""
     if settings.prefill_workers > 0 or any(info.role == "prefill" for info in infos):
-        return build_app(settings, make_disaggregated_workers(settings, infos, registry), tokenizer)
+        return make_disaggregated_backend(settings, infos, registry)
     router = make_router(settings, infos, dynamic=registry is not None)
-    workers = WorkerSet(infos, router=router, registry=registry, registry_interval_s=settings.registry_interval_s)
-    return build_app(settings, workers, tokenizer)
+    return Dispatcher(_directory(settings, infos, registry, tokenizer=tokenizer), router=router,
+                      migration_limit=settings.migration_limit)
 
 
-def make_disaggregated_workers(settings: Settings, infos: list[WorkerInfo],
-                               registry: EventPlane | None = None) -> WorkerSet:
-    """The decode workers among `infos` (or the registry), holding the prefill workers as their `prefill`
-    set, each routed by `settings.router` (see `WorkerSet`)."""
+def make_disaggregated_backend(settings: Settings, infos: list[WorkerInfo],
+                               registry: EventPlane | None = None) -> DisaggregatedBackend:
+    """Prefill and decode dispatchers over the workers of those roles among `infos` (or the registry)."""
     if not infos:
         raise ValueError("a disaggregated gateway needs the info of at least one started worker")
     prefill_infos = [info for info in infos if info.role == "prefill"]
@@ -51,12 +62,19 @@ def make_disaggregated_workers(settings: Settings, infos: list[WorkerInfo],
     def router() -> Router:
         return Router.from_settings(settings, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id))
 
-    prefill = WorkerSet(prefill_infos, router=router(), registry=registry, roles=frozenset({"prefill"}),
-                        registry_interval_s=settings.registry_interval_s)
-    return WorkerSet(decode_infos, router=router(), registry=registry, roles=frozenset({"decode", "both"}),
-                     registry_interval_s=settings.registry_interval_s, prefill=prefill,
-                     local_prefill_tokens=settings.disagg_local_prefill_tokens,
-                     max_prefill_queue=settings.disagg_max_prefill_queue)
+    prefill = Dispatcher(_directory(settings, prefill_infos, registry, frozenset({"prefill"})), router=router(),
+                         migration_limit=settings.migration_limit, pool="prefill")
+    decode = Dispatcher(_directory(settings, decode_infos, registry, frozenset({"decode", "both"})),
+                        router=router(), migration_limit=settings.migration_limit, pool="decode")
+    return DisaggregatedBackend(prefill, decode, local_prefill_tokens=settings.disagg_local_prefill_tokens,
+                                max_prefill_queue=settings.disagg_max_prefill_queue)
+
+
+def _directory(settings: Settings, infos: list[WorkerInfo], registry: EventPlane | None,
+               roles: frozenset[str] | None = None, tokenizer: Tokenizer | None = None) -> WorkerDirectory:
+    return WorkerDirectory(infos, registry=registry, roles=roles, registry_interval_s=settings.registry_interval_s,
+                           registry_grace_s=settings.worker_lease_s, cluster_token=settings.secret("cluster_token"),
+                           channel_factory=functools.partial(make_channel, tokenizer=tokenizer))
 
 
 def make_router(settings: Settings, infos: list[WorkerInfo], *, dynamic: bool = False) -> Router | None:

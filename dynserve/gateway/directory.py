@@ -1,0 +1,247 @@
+"""The gateway's directory of workers: who they are, one channel each, their polled loads, and readiness.
+
+Membership. With a `registry` (the event plane's, `EventPlane.workers()`), the registry is the source of
+truth: every `registry_interval_s` the members are brought in line with the workers it lists
+(`membership_changes`), so workers a pool adds become routable, and workers that leave it (drained ones
+deregister themselves, the pool deregisters dead ones, a lease that is not renewed runs out) stop getting
+requests (except when several vanish at once, channels up: a registry that restarted lists nobody until the
+workers' next heartbeats, so those leave only if still missing after `registry_grace_s`). Without one, the
+workers given at construction are the members for good. Either way the channel is the fastest signal of
+death: a worker whose channel drops is out of picking at once (`BackendObserver.on_down`: the router
+forgets it), reconnected on the next load poll if it still answers.
+
+A worker that leaves keeps its channel until the streams it is serving end, so draining never cuts a
+response; it gets no new request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from dynserve.errors import WorkerUnavailableError
+from dynserve.events.base import EventPlane
+from dynserve.gateway.backend import BackendObserver, WorkerChannel, make_channel
+from dynserve.protocol import KVSnapshot, WorkerInfo, WorkerLoad
+
+__all__ = ["WorkerDirectory", "membership_changes"]
+
+logger = logging.getLogger(__name__)
+
+
+def membership_changes(current: Mapping[str, WorkerInfo],
+                       listed: Sequence[WorkerInfo]) -> tuple[list[WorkerInfo], list[str]]:
+    """(workers to add, ids to remove) to turn `current` into `listed`. A worker listed with a different
+    address or identity than the one held (a restart under the same id) is removed and added again."""
+    by_id = {info.worker_id: info for info in listed}
+    removed = [wid for wid, info in current.items() if by_id.get(wid) != info]
+    added = [info for wid, info in by_id.items() if current.get(wid) != info]
+    return added, removed
+
+
+class WorkerDirectory:
+    """The members of one pool and a channel to each. Safe to use from one asyncio loop only."""
+
+    def __init__(
+        self,
+        infos: list[WorkerInfo],
+        *,
+        registry: EventPlane | None = None,
+        roles: frozenset[str] | None = None,
+        channel_factory: Callable[[WorkerInfo], WorkerChannel] = make_channel,
+        registry_interval_s: float = 0.25,
+        poll_interval_s: float = 0.5,
+        registry_grace_s: float = 3.0,
+        cluster_token: str | None = None,
+    ) -> None:
+        """`roles`: only workers of these roles are members (None: any). `registry_grace_s`: how long members
+        that vanished from the registry together stay (Settings.worker_lease_s). `cluster_token` is presented
+        to every worker on connecting (Settings.cluster_token)."""
+        self.roles = roles
+        infos = [info for info in infos if roles is None or info.role in roles]
+        if not infos and registry is None:
+            raise ValueError("a worker directory needs at least one worker or a registry to find them in")
+        self.registry = registry
+        self._channel_factory = channel_factory
+        self.channels: dict[str, WorkerChannel] = {info.worker_id: channel_factory(info) for info in infos}
+        self.loads: dict[str, WorkerLoad] = {}
+        self.observers: list[BackendObserver] = []
+        self._leaving: list[WorkerChannel] = []  # left the directory, still finishing streams
+        self._identity: WorkerInfo | None = infos[0] if infos else None
+        self._load_seen_s: dict[str, float] = {}
+        self._poll_interval_s, self._registry_interval_s = poll_interval_s, registry_interval_s
+        self.registry_grace_s = registry_grace_s
+        self._cluster_token = cluster_token
+        self._missing_since: dict[str, float] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def add_observer(self, observer: BackendObserver) -> None:
+        self.observers.append(observer)
+
+    @property
+    def identity(self) -> WorkerInfo:
+        """The first worker ever seen: what this pool serves (one model) even when no worker is up."""
+        if self._identity is None:
+            raise WorkerUnavailableError("no worker has registered yet", worker_id=None)
+        return self._identity
+
+    @property
+    def max_model_len(self) -> int:
+        if not self.channels:
+            return self.identity.max_model_len
+        return min(c.info.max_model_len for c in self.channels.values())
+
+    async def start(self) -> None:
+        await asyncio.gather(*(self._connect(c) for c in self.channels.values()))
+        if self.registry is not None:
+            await self.refresh_members()
+            self._tasks.append(asyncio.create_task(self._follow_registry(), name="worker-registry"))
+        await self.poll_once()
+        self._tasks.append(asyncio.create_task(self._poll_forever(), name="worker-load-poller"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(c.close() for c in [*self.channels.values(), *self._leaving]))
+
+    async def snapshot(self, worker_id: str) -> KVSnapshot:
+        channel = self.channels.get(worker_id)
+        if channel is None:
+            raise WorkerUnavailableError(f"unknown worker {worker_id}", worker_id=worker_id)
+        return await channel.snapshot()
+
+    def is_ready(self) -> bool:
+        """True when some member's channel is open and it reported a load within the last 10 polls (5 s at
+        least: on a busy host a load reply can take a second or more, and that is no reason to refuse)."""
+        now = time.monotonic()
+        horizon_s = max(10 * self._poll_interval_s, 5.0)
+        return any(c.is_open and now - self._load_seen_s.get(wid, -1e9) <= horizon_s
+                   for wid, c in self.channels.items())
+
+    def open_channels(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerChannel]:
+        """Members whose channel is open, but those in `exclude`: where a new request may go."""
+        return [c for wid, c in self.channels.items() if c.is_open and wid not in exclude]
+
+    def routable_ids(self) -> list[str]:
+        return sorted(c.worker_id for c in self.open_channels())
+
+    def pending(self, channel: WorkerChannel) -> int:
+        """Requests queued or running on the worker: what it last reported, or what this gateway has open on
+        it when that is more (requests sent since the report)."""
+        load = self.loads.get(channel.worker_id)
+        reported = load.num_running + load.num_waiting if load is not None else 0
+        return max(reported, channel.num_open_streams)
+
+    def num_queued(self) -> int:
+        return sum(map(self.pending, self.channels.values()))
+
+    # ---- membership ------------------------------------------------------------------------------------
+
+    async def refresh_members(self) -> None:
+        """Bring the members in line with the registry (a no-op without one, or when it cannot be read)."""
+        if self.registry is None:
+            return
+        try:
+            listed = await self.registry.workers()
+        except Exception as exc:  # keep the members we have: a registry blip must not empty the gateway
+            logger.warning("cannot read the worker registry: %s", exc)
+            return
+        if self.roles is not None:
+            listed = [info for info in listed if info.role in self.roles]
+        added, removed = membership_changes({w: c.info for w, c in self.channels.items()}, listed)
+        listed_ids, now_s = {info.worker_id for info in listed}, time.monotonic()
+        missing = [w for w in removed if w not in listed_ids and self.channels[w].is_open]
+        # A registry that restarted (Redis, the embedded plane) lists nobody until the workers' next heartbeats,
+        # and that must not empty the pool: when several members (or all) vanish from the listing at once while
+        # their channels are up, they leave only if still missing after `registry_grace_s`. One that vanishes
+        # alone (it drained, its lease ran out), is listed anew (restarted under its id) or is down leaves now.
+        mass = len(missing) > 1 or (missing and len(missing) == len(self.channels))
+        for worker_id in removed:
+            if not mass or worker_id not in missing:
+                self._leave(worker_id)
+                continue
+            since_s = self._missing_since.setdefault(worker_id, now_s)
+            if now_s - since_s >= self.registry_grace_s:
+                self._leave(worker_id)
+        self._missing_since = {w: t for w, t in self._missing_since.items()
+                               if w in self.channels and w not in listed_ids}
+        joined = [self._join(info) for info in added]
+        await asyncio.gather(*(self._poll(c) for c in joined))
+
+    def _join(self, info: WorkerInfo) -> WorkerChannel:
+        logger.info("worker %s (%s, %s) joined at %s:%d", info.worker_id, info.role, info.engine, info.host,
+                    info.port)
+        self._identity = self._identity or info
+        channel = self.channels[info.worker_id] = self._channel_factory(info)
+        return channel
+
+    def _leave(self, worker_id: str) -> None:
+        channel = self.channels.pop(worker_id)
+        logger.info("worker %s left (%d streams to finish)", worker_id, channel.num_open_streams)
+        self._mark_down(channel)
+        self._leaving.append(channel)
+        for observer in self.observers:
+            observer.on_leave(channel.info)
+
+    async def _follow_registry(self) -> None:
+        while True:
+            await asyncio.sleep(self._registry_interval_s)
+            await self.refresh_members()
+            await self._close_finished_leavers()
+
+    async def _close_finished_leavers(self) -> None:
+        done = [c for c in self._leaving if not c.num_open_streams or not c.is_open]
+        self._leaving = [c for c in self._leaving if c not in done]
+        await asyncio.gather(*(c.close() for c in done))
+
+    # ---- loads and reconnection ------------------------------------------------------------------------
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(c) for c in list(self.channels.values())))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_interval_s)
+            await self.poll_once()
+
+    async def _poll(self, channel: WorkerChannel) -> None:
+        if not channel.is_open and not await self._connect(channel):
+            return
+        try:
+            load = await channel.load(timeout_s=max(2 * self._poll_interval_s, 1.0))
+        except WorkerUnavailableError as exc:
+            if channel.is_open:  # a slow answer (a busy host), not a dead worker: keep what we know
+                logger.debug("worker %s: %s", channel.worker_id, exc)
+                return
+            self._mark_down(channel)
+            return
+        if self.channels.get(channel.worker_id) is not channel:
+            return  # it left while we asked
+        self.loads[channel.worker_id] = load
+        self._load_seen_s[channel.worker_id] = time.monotonic()
+        for observer in self.observers:
+            observer.on_load(load)
+
+    async def _connect(self, channel: WorkerChannel) -> bool:
+        try:
+            await channel.connect(timeout_s=2.0, cluster_token=self._cluster_token)
+            return True
+        except WorkerUnavailableError as exc:
+            logger.debug("worker %s unreachable: %s", channel.worker_id, exc)
+            self._mark_down(channel)
+            return False
+
+    def _mark_down(self, channel: WorkerChannel) -> None:
+        """Out of picking until it answers again: its load goes, and the observers hear it (the dispatcher's
+        router forgets what it caches)."""
+        if self.channels.get(channel.worker_id, channel) is not channel:
+            return  # an old channel of a worker that has since joined again
+        self.loads.pop(channel.worker_id, None)
+        self._load_seen_s.pop(channel.worker_id, None)
+        for observer in self.observers:
+            observer.on_down(channel.info)

@@ -1,0 +1,220 @@
+"""Dispatch over one pool: which worker gets a request, and what happens when it fails.
+
+`Dispatcher.generate` picks a worker (the router's choice, else the least loaded by
+`WorkerDirectory.pending`), streams the request from it, and, when the worker fails before the first token
+reaches the client, retries on another worker, so a dead or draining worker costs a retry, not a request.
+When it fails mid-stream (its channel drops, or it cuts the request with `finish_reason="abort"`), the
+request migrates: another worker continues it from the prompt plus the tokens already sent, and the client's
+stream goes on with no gap and no repeat, its usage counted over both (at most `migration_limit` times). A
+prefill-only request (the first half of a disaggregated one) does not migrate: its caller falls back.
+
+A `Dispatcher` is also the aggregated `Backend`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import msgspec
+
+from dynserve.errors import WorkerUnavailableError
+from dynserve.gateway.backend import BackendObserver, WorkerChannel
+from dynserve.gateway.directory import WorkerDirectory
+from dynserve.protocol import GenerateRequest, KVSnapshot, TokenDelta, WorkerInfo
+from dynserve.router.router import Router
+
+__all__ = ["Backend", "Dispatcher"]
+
+logger = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    """What the gateway's routes and app use."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def pools(self) -> list[tuple[str, Dispatcher]]:
+        """Each pool's dispatcher with its label: `both` (aggregated), or `prefill` and `decode`."""
+        ...
+
+    def add_observer(self, observer: BackendObserver) -> None: ...
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def is_ready(self) -> bool: ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]: ...
+
+    async def snapshot(self, worker_id: str) -> KVSnapshot: ...
+
+
+class _ForgetDownWorkers(BackendObserver):
+    """The router forgets what a worker caches once the directory finds it down or gone."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def on_down(self, info: WorkerInfo) -> None:
+        self.router.forget_worker(info.worker_id)
+
+
+class Dispatcher:
+    def __init__(self, directory: WorkerDirectory, *, router: Router | None = None, migration_limit: int = 3,
+                 pool: str = "both") -> None:
+        """`router`: picks among the open members (None: the least loaded). `migration_limit`: migrations of
+        one request at most (Settings.migration_limit). `pool`: its label in metrics (`both`, `prefill`,
+        `decode`)."""
+        self.directory, self.router, self.pool = directory, router, pool
+        self.migration_limit = migration_limit
+        self.observers: list[BackendObserver] = []
+        self.num_routed: Counter[str] = Counter()  # requests sent to each worker, retries included
+        if router is not None:
+            directory.add_observer(_ForgetDownWorkers(router))
+
+    # ---- as a Backend ----------------------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self.directory.identity.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self.directory.max_model_len
+
+    def pools(self) -> list[tuple[str, Dispatcher]]:
+        return [(self.pool, self)]
+
+    def add_observer(self, observer: BackendObserver) -> None:
+        self.observers.append(observer)
+        self.directory.add_observer(observer)
+
+    async def start(self) -> None:
+        await self.directory.start()
+
+    async def stop(self) -> None:
+        await self.directory.stop()
+
+    def is_ready(self) -> bool:
+        return self.directory.is_ready()
+
+    async def snapshot(self, worker_id: str) -> KVSnapshot:
+        return await self.directory.snapshot(worker_id)
+
+    # ---- picking ---------------------------------------------------------------------------------------
+
+    def pick(self, exclude: set[str], token_ids: list[int] | None = None) -> WorkerChannel | None:
+        """An open member not in `exclude`: the router's choice when there is one, else the least busy."""
+        return self.pick_with_overlap(exclude, token_ids)[0]
+
+    def pick_with_overlap(self, exclude: set[str],
+                          token_ids: list[int] | None = None) -> tuple[WorkerChannel | None, int]:
+        """`pick`, and how many of the prompt's blocks the chosen worker caches (0 when no router knows)."""
+        candidates = self.directory.open_channels(exclude)
+        if not candidates:
+            return None, 0
+        if self.router is not None and token_ids is not None and (len(candidates) > 1 or self.pool == "prefill"):
+            chosen, overlap = self.router.pick(token_ids, [c.worker_id for c in candidates], self.directory.loads)
+            return self.directory.channels[chosen], overlap
+        return min(candidates, key=self.directory.pending), 0
+
+    def release(self, worker_id: str, request_id: str) -> None:
+        """Tell a member to free what it holds for `request_id` (a prefill's KV); harmless when it is gone."""
+        channel = self.directory.channels.get(worker_id)
+        if channel is not None:
+            with contextlib.suppress(WorkerUnavailableError):
+                channel.release(request_id)
+
+    # ---- streaming -------------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest,
+                       first: WorkerChannel | None = None) -> AsyncIterator[TokenDelta]:
+        """Stream `request` from one of the pool's workers (`first` if given), retrying elsewhere until its
+        first delta arrives, and migrating it when its worker fails mid-stream (see `_migration`)."""
+        tried: set[str] = set()
+        sent: list[int] = []  # the tokens the client has had, over every worker the request ran on
+        num_migrations, current = 0, request
+        num_cached: int | None = None
+        while True:
+            channel, first = first or self.pick(tried, current.token_ids), None
+            if channel is None:
+                raise WorkerUnavailableError(
+                    f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
+                )
+            started, base = False, len(sent) if current is not request else 0
+            self.num_routed[channel.worker_id] += 1
+            if self.router is not None:
+                block_size = channel.info.block_size
+                self.router.routed(request.request_id, channel.worker_id,
+                                   (len(current.token_ids) + current.params.max_tokens) // block_size + 1)
+            reason: str | None = None
+            try:
+                async with contextlib.aclosing(channel.generate(current)) as stream:
+                    async for delta in stream:
+                        started = True
+                        if current is not request:  # a continuation: its usage as the client's request sees it
+                            delta = msgspec.structs.replace(
+                                delta, num_prompt_tokens=len(request.token_ids), num_cached_tokens=num_cached or 0,
+                                num_output_tokens=base + delta.num_output_tokens)
+                        elif num_cached is None:
+                            num_cached = delta.num_cached_tokens
+                        if (delta.finish_reason == "abort" and not request.prefill_only
+                                and num_migrations < self.migration_limit):
+                            # the worker cut it (its drain ran out of time): the client did not ask for that
+                            reason = "worker_aborted"
+                            delta = msgspec.structs.replace(delta, finished=False, finish_reason=None)
+                        sent.extend(delta.token_ids)
+                        if delta.token_ids or reason is None:
+                            yield delta
+                        if reason is not None:
+                            break
+                if reason is None:
+                    return
+            except WorkerUnavailableError as exc:
+                if not started:
+                    tried.add(channel.worker_id)
+                    logger.warning("request %s: worker %s failed before its first token (%s); retrying",
+                                   request.request_id, channel.worker_id, exc)
+                    for observer in self.observers:
+                        observer.on_retry()
+                    continue
+                if request.prefill_only or num_migrations >= self.migration_limit:
+                    raise
+                reason = "worker_failed"
+            finally:
+                if self.router is not None:
+                    self.router.finished(request.request_id)
+            num_migrations += 1
+            tried = {channel.worker_id}
+            current = self._migration(request, sent, channel.worker_id, reason)
+            if current is None:  # it had every token already: only the end was lost
+                yield TokenDelta(request_id=request.request_id, token_ids=[], finished=True, finish_reason="length",
+                                 num_prompt_tokens=len(request.token_ids), num_cached_tokens=num_cached or 0,
+                                 num_output_tokens=len(sent))
+                return
+
+    def _migration(self, request: GenerateRequest, sent: list[int], worker_id: str,
+                   reason: str) -> GenerateRequest | None:
+        """The request that continues `request` elsewhere after its worker failed mid-stream: its prompt and
+        the tokens already sent as the new prompt, the tokens left to generate as its budget, no remote
+        prefill (the new worker prefills it; its prefix cache may hold part of it). None when nothing is left.
+        A greedy request continues exactly as it would have; sampled ones continue from the same text. Text a
+        worker held back (half a UTF-8 character, a possible start of a stop string) is not recovered."""
+        left = request.params.max_tokens - len(sent)
+        logger.warning("request %s: worker %s %s after %d tokens; migrating it (%d tokens left)",
+                       request.request_id, worker_id, reason.replace("_", " "), len(sent), left)
+        for observer in self.observers:
+            observer.on_migration(reason)
+        if left <= 0:
+            return None
+        return msgspec.structs.replace(request, token_ids=[*request.token_ids, *sent], remote_prefill=None,
+                                       params=msgspec.structs.replace(request.params, max_tokens=left))
