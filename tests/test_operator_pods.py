@@ -3,15 +3,22 @@ in a cluster, as local processes on hosts made of network and PID namespaces (`b
 the fleet they make must serve through the official `openai` client. A chart or builder that renders but
 would not serve fails here.
 
-What stands in for Kubernetes, and only that: each pod is a host (its own address on 198.18.0.0/24, its own
-`/tmp/ray`); the pod's environment is built as the kubelet builds it (the ConfigMap's data, then the container's
-`env` with `$(VAR)` references expanded, `status.podIP` from the downward API, Secrets' keys from `SECRETS`);
-the Services' DNS names resolve through the hosts' own `/etc/hosts`; a pool scaled up is one more pod
-started, scaled down one pod gone. The commands, arguments and variables are the built manifests', unchanged.
+What stands in for Kubernetes, and only that: each pod is a host (its own address on 198.18.0.0/24); the pod's
+environment is built as the kubelet builds it (the ConfigMap's data, then the container's `env` with `$(VAR)`
+references expanded, `status.podIP` from the downward API, Secrets' keys from `SECRETS`); the Services' DNS
+names resolve through the hosts' own `/etc/hosts`; a pool scaled up is one more pod started, scaled down one
+pod gone. The commands, arguments and variables are the built manifests', unchanged.
+
+Each pod runs locked down as its manifest says: its command runs as the pod's `runAsUser` and `runAsGroup`
+(`setpriv`, every capability dropped, no new privileges), and the host's whole filesystem is read-only but for
+a fresh tmpfs at each of the container's emptyDir mounts (sized as the emptyDir says): a path the pods write
+without declaring it fails here as it would on a read-only root. The image's home directory does not exist.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 import subprocess
@@ -34,7 +41,7 @@ from dynserve.operator.spec import parse_deployment
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
 
 NAME, NAMESPACE = "smol", "ml"
-RAY_DIR = Path("/tmp/ray")  # where `ray start` keeps its session by default
+STAGE = "/mnt"  # where a writable path's old contents wait while the checkout under test is bound back
 MODEL = "SmolLM2-135M-Instruct"
 VENV_BIN = str(Path(sys.executable).parent)
 SECRETS = {("smol-cluster", "token"): "pods-test-cluster-token-0123456789"}  # the Secrets the pods read
@@ -59,7 +66,7 @@ def pod_environment(children: list[dict[str, Any]], deployment: dict[str, Any], 
     pod = deployment["spec"]["template"]["spec"]
     container = pod["containers"][0]
     configs = {c["metadata"]["name"]: c["data"] for c in children if c["kind"] == "ConfigMap"}
-    env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
+    env = {"PATH": f"{VENV_BIN}:/usr/local/bin:/usr/bin:/bin", "HOME": "/home/dynserve", "LANG": "C.UTF-8",
            # what this machine's NIXL needs between hosts (in a cluster: the image's or the node's UCX setup)
            "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth1"}
     for source in container.get("envFrom", []):
@@ -77,9 +84,56 @@ def pod_environment(children: list[dict[str, Any]], deployment: dict[str, Any], 
     return env
 
 
+# Run inside a host's own mount namespace, as root, before the pod's command: a tmpfs at each writable path
+# (mode 1777, as an emptyDir) and at each directory the pod's user could not pass on its way to the
+# interpreter or the checkout (mode 0755), those bound back where a tmpfs covers them; then every mount but
+# the writable ones read-only.
+_LOCK_DOWN = """
+import json, subprocess, sys
+plan = json.loads(sys.argv[1])
+def mount(*args):
+    subprocess.run(["mount", *args], check=True, capture_output=True)
+mount("--make-rprivate", "/")
+for path, size, mode in plan["tmpfs"]:
+    kept = [k for k in plan["keep"] if k.startswith(path + "/")]
+    if kept:
+        mount("--rbind", path, plan["stage"])
+    mount("-t", "tmpfs", "-o", f"mode={mode}" + (f",size={size}" if size else ""), "tmpfs", path)
+    for k in kept:
+        subprocess.run(["mkdir", "-p", k], check=True)
+        mount("--rbind", plan["stage"] + k[len(path):], k)
+    if kept:
+        subprocess.run(["umount", "-l", plan["stage"]], check=True)
+writable = set(plan["writable"])
+with open("/proc/self/mountinfo") as f:
+    points = {line.split()[4].encode().decode("unicode_escape") for line in f}
+for point in sorted(points - writable):
+    if point.split("/")[1] not in ("proc", "sys", "dev"):
+        mount("-o", "remount,bind,ro", point)
+"""
+
+
+def writable_paths(deployment: dict[str, Any]) -> list[tuple[str, str | None]]:
+    """(mount path, size) of each emptyDir the pod's container mounts: where it may write."""
+    pod = deployment["spec"]["template"]["spec"]
+    empty_dirs = {v["name"]: v["emptyDir"] for v in pod.get("volumes", []) if "emptyDir" in v}
+    mounts = pod["containers"][0].get("volumeMounts", [])
+    return [(m["mountPath"], empty_dirs[m["name"]].get("sizeLimit", "").replace("Mi", "m") or None)
+            for m in mounts if m["name"] in empty_dirs]
+
+
+def as_pod_user(deployment: dict[str, Any], argv: list[str]) -> list[str]:
+    """`argv` run as the pod's user and group, with no capabilities and no way to gain privileges."""
+    security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert security["runAsNonRoot"] and security["runAsUser"] != 0
+    return ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={security['runAsGroup']}",
+            f"--groups={security['fsGroup']}", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs",
+            "--", *argv]
+
+
 class Pods:
-    """Pods on hosts: each host is prepared as a pod's network (its `/tmp` private, the Services' names in its
-    `/etc/hosts`), then runs one container's command."""
+    """Pods on hosts: each host is prepared as a pod's network (the Services' names in its `/etc/hosts`) and
+    filesystem (read-only but for its emptyDirs), then runs one container's command as the pod's user."""
 
     def __init__(self, hosts: Hosts, children: list[dict[str, Any]], log_dir: Path) -> None:
         self.hosts, self.children, self.log_dir = hosts, children, log_dir
@@ -90,14 +144,25 @@ class Pods:
         # the head's Services resolve to the head pod (host a): cluster DNS, as far as these pods need it
         head_services = [s for s in services if s in (NAME, f"{NAME}-head")]
         self.etc_hosts.write_text(f"127.0.0.1 localhost\n{hosts[0].ip} {' '.join(head_services)}\n")
+        self.made_dirs: list[Path] = []  # mount points made here, as a container runtime makes them
 
     def start(self, deployment_name: str, host: Host) -> None:
         host.run(["mount", "--bind", str(self.etc_hosts), "/etc/hosts"])
-        # Ray's session directory, the pod's own (not all of /tmp: the checkout under test may live there)
-        RAY_DIR.mkdir(exist_ok=True)
-        host.run(["mount", "-t", "tmpfs", "tmpfs", str(RAY_DIR)])
         deployment = self.deployments[deployment_name]
-        command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+        writable = writable_paths(deployment)
+        for path, _size in writable:
+            if not Path(path).exists():
+                Path(path).mkdir(parents=True)
+                self.made_dirs.append(Path(path))
+        # what the image holds: the interpreter, the virtualenv, the code (here: this checkout)
+        keep = sorted({str(Path(p).resolve()) for p in (sys.base_prefix, sys.prefix, Path(__file__).parent.parent)})
+        closed = {next(a for a in reversed(Path(k).parents) if not a.stat().st_mode & 0o001) for k in keep
+                  if any(not a.stat().st_mode & 0o001 for a in Path(k).parents)}
+        tmpfs = [(path, size, "1777") for path, size in writable] + [(str(a), None, "0755") for a in closed]
+        plan = {"tmpfs": sorted(tmpfs, key=lambda t: len(t[0])), "keep": keep, "stage": STAGE,
+                "writable": [path for path, _size in writable]}
+        host.run([sys.executable, "-c", _LOCK_DOWN, json.dumps(plan)])
+        command = as_pod_user(deployment, deployment["spec"]["template"]["spec"]["containers"][0]["command"])
         with (self.log_dir / f"{host.name}-{deployment_name}.log").open("wb") as log:  # the child keeps its copy
             self.processes[host.name] = host.popen(command, env=pod_environment(self.children, deployment, host.ip),
                                                    stdout=log, stderr=subprocess.STDOUT)
@@ -108,7 +173,7 @@ class Pods:
         container = self.deployments[deployment_name]["spec"]["template"]["spec"]["containers"][0]
         pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command")
         if pre_stop:
-            host.run(pre_stop, env=pod_environment(self.children, self.deployments[deployment_name], host.ip),
+            host.run(as_pod_user(self.deployments[deployment_name], pre_stop), env=pod_environment(self.children, self.deployments[deployment_name], host.ip),
                      timeout_s=grace_s)
         process.send_signal(signal.SIGTERM)
         try:
@@ -126,7 +191,13 @@ class Pods:
 def pods() -> Iterator[tuple[Hosts, Pods]]:
     children = build_children(NAME, NAMESPACE, parse_deployment(SPEC), uid="0a1b")
     with Hosts(5) as hosts, tempfile.TemporaryDirectory(prefix="dynserve-pods-", dir="/var/tmp") as log_dir:
-        yield hosts, Pods(hosts, children, Path(log_dir))
+        pods = Pods(hosts, children, Path(log_dir))
+        try:
+            yield hosts, pods
+        finally:
+            hosts.close()  # the hosts' mounts go with them; then the mount points made for them
+            for path in reversed(pods.made_dirs):
+                os.rmdir(path)
 
 
 def _gateway(hosts: Hosts, index: int = 0) -> str:

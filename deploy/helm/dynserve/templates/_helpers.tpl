@@ -60,9 +60,10 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+
 {{- default .Chart.AppVersion .Values.image.tag }}
 {{- end }}
 
-{{/* The image reference. */}}
+{{/* The image reference: repository:tag, pinned @digest when image.digest is given. */}}
 {{- define "dynserve.image" -}}
 {{- printf "%s:%s" .Values.image.repository (include "dynserve.imageTag" .) }}
+{{- with .Values.image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{/*
