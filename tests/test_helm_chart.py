@@ -291,6 +291,11 @@ BAD_VALUES = {
     "negative pool replicas in the example": {"example": {"spec": {"pools": {"workers": {"replicas": -2}}}}},
     "an unknown field in the example's spec": {"example": {"spec": {"modle": {}}}},
     "an unknown router mode in the example": {"example": {"spec": {"router": {"mode": "fastest"}}}},
+    "the operator as root": {"operator": {"podSecurityContext": {"runAsUser": 0}}},
+    "a relative writable path": {"operator": {"extraWritablePaths": ["cache"]}},
+    "a digest that is not one": {"image": {"digest": "latest"}},
+    "a string for the NetworkPolicy switch": {"operator": {"networkPolicy": {"enabled": "off"}}},
+    "the example's pods as root": {"example": {"spec": {"security": {"runAsUser": 0}}}},
 }
 
 
@@ -350,6 +355,27 @@ def test_the_operator_runs_locked_down_with_a_liveness_probe(chart: helm_python.
     assert container["resources"]["requests"] and container["resources"]["limits"]
     assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
     assert pod["serviceAccountName"] == one(render(chart, {}), "ServiceAccount")["metadata"]["name"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert pod["securityContext"]["runAsUser"] == 10001 and container["resources"]["limits"]["cpu"]
+    assert pod["automountServiceAccountToken"] is True  # it talks to the API server
+    assert container["imagePullPolicy"] == "Always"
+
+
+def test_only_prometheus_reaches_the_operator_and_a_cluster_can_relax_it(chart: helm_python.Chart) -> None:
+    objs = render(chart, {})
+    policy = one(objs, "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"] == _operator(objs)["spec"]["selector"]["matchLabels"]
+    assert policy["ingress"] == [{"from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+        "app.kubernetes.io/name": "prometheus"}}}], "ports": [{"protocol": "TCP", "port": 8080}]}]
+    relaxed = render(chart, {"operator": {"networkPolicy": {"enabled": False}, "extraWritablePaths": ["/var/x"],
+                                          "podSecurityContext": {"runAsUser": 2000}},
+                             "image": {"digest": "sha256:" + "cd" * 32}, "example": {"enabled": True}})
+    assert not of_kind(relaxed, "NetworkPolicy")
+    pod = _operator(relaxed)["spec"]["template"]["spec"]
+    assert {"name": "writable-0", "mountPath": "/var/x"} in pod["containers"][0]["volumeMounts"]
+    assert pod["securityContext"]["runAsUser"] == 2000
+    assert pod["containers"][0]["image"] == "ghcr.io/dynserve/dynserve:0.1.0@sha256:" + "cd" * 32
+    assert one(relaxed, "DynServeDeployment")["spec"]["image"]["digest"] == "sha256:" + "cd" * 32
 
 
 def _args(deployment: dict[str, Any]) -> list[str]:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kopf
 import pytest
 
@@ -87,6 +88,12 @@ def test_example_resources_validate_against_the_crd(spec: dict[str, Any]) -> Non
     ({"env": [{"name": "DYN_REDIS_URL", "value": "redis://x"}]}, "env"),
     ({"eventPlane": {"redisUrl": "redis://x"}}, "eventPlane"),
     ({"gateway": {"replicas": 0}}, "gateway.replicas"),
+    ({"security": {"runAsUser": 0}}, "security.runAsUser"),
+    ({"security": {"writablePaths": ["data"]}}, "security.writablePaths"),
+    ({"security": {"writablePaths": ["/data/../etc"]}}, "security.writablePaths"),
+    ({"security": {"writablePaths": ["/tmp"]}}, "security.writablePaths"),
+    ({"security": {"writablePaths": ["/data", "/data"]}}, "security.writablePaths"),
+    ({"image": {"digest": "sha256:abc"}}, "image.digest"),
 ])
 def test_a_bad_spec_names_its_field(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidRequestError, match=rf"spec\.{field}"):
@@ -120,6 +127,81 @@ def test_the_config_map_sets_only_dynserve_settings_that_parse(spec: dict[str, A
 
 def _by(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
     return next(c for c in children if c["kind"] == kind and c["metadata"]["name"] == name)
+
+
+@pytest.mark.parametrize("bad", [{"runAsUser": 0}, {"writablePaths": ["relative"]}, {"writablePaths": ["/a/.."]},
+                                 {"networkPolicy": {"enabled": "no"}}])
+def test_the_crds_schema_refuses_a_relaxation_that_is_not_one(bad: dict[str, Any]) -> None:
+    """What the API server refuses before the operator sees it (a repeated path too: the list is a set)."""
+    with pytest.raises(jsonschema.ValidationError):
+        validate(resource({"security": bad}))
+
+
+@pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
+def test_every_pod_runs_locked_down_with_resources_and_probes(spec: dict[str, Any]) -> None:
+    parsed = parse_deployment(spec)
+    for deployment in (c for c in build_children("smol", NS, parsed) if c["kind"] == "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        # a token only for the head, and only when its planner scales the pools through the API server
+        head_with_planner = deployment["metadata"]["name"] == "smol-head" and parsed.planner.enabled
+        assert pod["automountServiceAccountToken"] is head_with_planner
+        writable = {v["name"] for v in pod["volumes"] if "emptyDir" in v}
+        for container in pod["containers"] + pod.get("initContainers", []):
+            assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                    "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
+            for quantity in ("cpu", "memory"):
+                assert container["resources"]["limits"][quantity] == container["resources"]["requests"][quantity]
+            assert {m["name"] for m in container["volumeMounts"]} <= writable | {"models"}
+        (container,) = pod["containers"]
+        assert "livenessProbe" in container and "readinessProbe" in container, deployment["metadata"]["name"]
+        if container["name"] != "redis":
+            shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+            assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "320Mi"}  # Ray's 256 MiB object store
+            assert {"name": "XDG_CACHE_HOME", "value": "/var/cache/dynserve"} in container["env"]
+
+
+def test_memory_defaults_fit_the_model_and_the_spec_wins() -> None:
+    def worker(spec: dict[str, Any]) -> dict[str, Any]:
+        children = build_children("smol", NS, parse_deployment(spec))
+        return _by(children, "Deployment", "smol-workers")["spec"]["template"]["spec"]["containers"][0]["resources"]
+    # the bundled model: runtime 1 GiB + /dev/shm 320 MiB + weights 1 GiB + the KV cache
+    assert worker({})["requests"] == {"cpu": "1", "memory": "3392Mi"}
+    assert worker({"engine": {"kvCacheGib": 4}})["limits"]["memory"] == "6464Mi"
+    assert worker({"engine": {"mocker": "cpu"}})["requests"]["memory"] == "1344Mi"  # no weights, no tensors
+    given = worker({"pools": {"workers": {"resources": {"requests": {"cpu": "4", "memory": "16Gi"},
+                                                        "limits": {"memory": "20Gi"}}}}})
+    assert given == {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"cpu": "4", "memory": "20Gi"}}
+
+
+def test_the_network_policy_opens_the_gateway_to_the_namespace_and_the_rest_only_inside() -> None:
+    policy = _by(build_children("smol", NS, parse_deployment({})), "NetworkPolicy", "smol")["spec"]
+    own = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "dynserve", "app.kubernetes.io/instance": "smol"}}}
+    assert policy["podSelector"] == own["podSelector"] and policy["policyTypes"] == ["Ingress"]
+    inside, gateway, metrics = policy["ingress"]
+    assert inside == {"from": [own]}  # every port (Ray's, worker channel, transfer, event plane) between its pods
+    assert gateway == {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 8000}]}
+    assert metrics["ports"] == [{"protocol": "TCP", "port": 8000}, {"protocol": "TCP", "port": 9100}]
+    assert metrics["from"][0]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}
+    # a LoadBalancer brings clients from outside the cluster; peers given replace the defaults; or none at all
+    public = build_children("smol", NS, parse_deployment({"gateway": {"serviceType": "LoadBalancer"}}))
+    assert "from" not in _by(public, "NetworkPolicy", "smol")["spec"]["ingress"][1]
+    ingress = {"podSelector": {"matchLabels": {"app": "ingress"}}}
+    narrowed = build_children("smol", NS, parse_deployment({"security": {"networkPolicy": {"gatewayFrom": [ingress]}}}))
+    assert _by(narrowed, "NetworkPolicy", "smol")["spec"]["ingress"][1]["from"] == [ingress]
+    off = build_children("smol", NS, parse_deployment({"security": {"networkPolicy": {"enabled": False}}}))
+    assert not [c for c in off if c["kind"] == "NetworkPolicy"]
+
+
+def test_a_relaxed_spec_changes_the_uid_and_adds_writable_paths() -> None:
+    spec = parse_deployment({"security": {"runAsUser": 2000, "runAsGroup": 0, "writablePaths": ["/data/scratch"]},
+                             "image": {"digest": "sha256:" + "ab" * 32}})
+    pod = _by(build_children("smol", NS, spec), "Deployment", "smol-workers")["spec"]["template"]["spec"]
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == (2000, 0)
+    assert {"name": "writable-0", "mountPath": "/data/scratch"} in pod["containers"][0]["volumeMounts"]
+    assert {"name": "writable-0", "emptyDir": {}} in pod["volumes"]
+    assert pod["containers"][0]["image"].endswith(":0.1.0@sha256:" + "ab" * 32)
 
 
 def test_disaggregated_children_carry_the_spec_to_the_pods() -> None:

@@ -21,21 +21,19 @@ What one deployment `NAME` becomes (all in its namespace, owned by it, labelled 
 Every pod is locked down as `hardening.py` says: non-root, no capabilities, a read-only root filesystem with
 emptyDirs where it writes, resources, no service-account token unless the planner scales through it.
 
-The pods' commands are what a test runs as local processes on hosts made of network namespaces
-(`tests/test_operator_pods.py`): `pod_command` and `pod_env` are that contract.
+The pods' commands and environment (`commands.py`: `pod_command`, `pod_env`) are what a test runs as local
+processes on hosts made of network namespaces (`tests/test_operator_pods.py`).
 """
 
 from __future__ import annotations
 
-import json
-import posixpath
 from typing import Any
-from urllib.parse import urlparse
 
 from dynserve import __version__
+from dynserve.operator.commands import MODELS_DIR, PRE_STOP, RAY_PORT, model_path, pod_command, pod_env
 from dynserve.operator.hardening import (
-    CONTAINER_SECURITY, DEFAULT_CPU, OBJECT_STORE_BYTES, build_network_policy, cache_env, container_resources,
-    cpu_quantity, default_memory_bytes, pod_security, writable_volumes,
+    CONTAINER_SECURITY, DEFAULT_CPU, build_network_policy, container_resources, cpu_quantity,
+    default_memory_bytes, pod_security, writable_volumes,
 )
 from dynserve.operator.spec import (
     API_VERSION, GROUP, KIND, POOL_KIND, POOL_ROLES, DeploymentSpec, PoolSpec, Resources, Toleration,
@@ -46,11 +44,8 @@ __all__ = [
     "build_pool", "build_pool_deployment", "build_pool_resource", "child_names", "labels", "pool_resource_name",
 ]
 
-RAY_PORT = 6379
 METRICS_PORT = 9100  # each worker pod serves its metrics here (its own IP: no two workers share it)
 GATEWAY_PORT_NAME = "http"
-MODELS_DIR = "/models"
-PRE_STOP = ["/bin/sh", "-c", "ray stop --grace-period 20"]
 MANAGER = "dynserve-operator"
 DEPLOYMENT_LABEL = f"{GROUP}/deployment"
 POOL_LABEL = f"{GROUP}/pool"
@@ -74,11 +69,6 @@ def pool_resource_name(name: str, pool: str) -> str:
     return f"{name}-{pool}"
 
 
-def pool_resource(role: str) -> str:
-    """The Ray resource a pool's worker pods offer and its workers require."""
-    return f"dynserve_pool_{role}"
-
-
 def _meta(name: str, namespace: str, component: str, spec: DeploymentSpec, uid: str | None,
           child: str | None = None, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": child or name, "namespace": namespace,
@@ -89,14 +79,7 @@ def _meta(name: str, namespace: str, component: str, spec: DeploymentSpec, uid: 
     return meta
 
 
-# ---- settings and the pods' commands --------------------------------------------------------------------
-
-def model_path(spec: DeploymentSpec) -> str | None:
-    """Where pods find the model: the spec's path, the file a `uri` is fetched to, or None (the bundled one)."""
-    if spec.model.uri:
-        return posixpath.join(MODELS_DIR, posixpath.basename(urlparse(spec.model.uri).path) or "model.gguf")
-    return spec.model.path
-
+# ---- settings ----------------------------------------------------------------------------------------------
 
 def build_config(name: str, namespace: str, spec: DeploymentSpec, uid: str | None = None) -> dict[str, Any]:
     """ConfigMap `NAME-config`: the `DYN_*` settings of every pod (head and workers)."""
@@ -143,41 +126,6 @@ def _env_text(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     return value if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: float = 1.0) -> list[str]:
-    """The container command of a head (`kind="head"`), a gateway-only (`"gateway"`) or a pool's worker pod
-    (`"worker"`): a shell that starts the pod's Ray node and then the pod's one long-running process. `$POD_IP` comes from the
-    pod's environment (the downward API)."""
-    ray = (f"ray start --node-ip-address=\"$POD_IP\" --object-store-memory={OBJECT_STORE_BYTES} "
-           "--disable-usage-stats")
-    if kind == "head":
-        script = (f"{ray} --head --port={RAY_PORT} --num-cpus=0 --include-dashboard=false && "
-                  f"exec dynctl serve --ray-address=\"$POD_IP:{RAY_PORT}\"")
-    elif kind == "gateway":  # a Ray driver needs a node of its own: one with no CPUs, where nothing is placed
-        script = (f"{ray} --address={head_host}:{RAY_PORT} --num-cpus=0 && "
-                  f"exec dynctl gateway --ray-address={head_host}:{RAY_PORT}")
-    else:
-        resources = json.dumps({pool_resource(role): 1}, separators=(",", ":"))
-        script = (f"exec {ray} --address={head_host}:{RAY_PORT} --num-cpus={ray_cpus:g} "
-                  f"--resources='{resources}' --block")
-    return ["/bin/sh", "-c", script]
-
-
-def pod_env(spec: DeploymentSpec) -> list[dict[str, Any]]:
-    """The variables every pod sets beside its ConfigMap: its own address (from the downward API), the API key
-    and the cluster token from their Secrets."""
-    env: list[dict[str, Any]] = [
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "DYN_ADVERTISE_HOST", "value": "$(POD_IP)"},
-        {"name": "RAY_AUTH_MODE", "value": "disabled"},  # the cluster's network is the pods' own
-        {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"},
-        *cache_env(),
-    ]
-    for name, ref in (("DYN_API_KEY", spec.gateway.api_key_secret), ("DYN_CLUSTER_TOKEN", spec.cluster_token_secret)):
-        if ref is not None:
-            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
-    return env
 
 
 def image_of(spec: DeploymentSpec) -> str:
