@@ -3,16 +3,21 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # What `make test-fast` leaves out: every test that needs one of these (markers come from the fixtures a
 # test reaches: tests/conftest.py; docs/testing.md lists them).
-HEAVY := model or ray or fleet or services or netns or install or fuzz
+HEAVY := model or ray or fleet or services or netns or install or fuzz or peers
 
-.PHONY: setup test test-fast serve bench clean
+.PHONY: setup test test-fast test-peers serve bench clean
 
 setup:
 	@bash scripts/setup.sh
 
 # the whole suite, on two workers: the slowest files first (tests/conftest.py), each file on one worker
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not peers"
+
+# the tests against peer systems in their own venvs (vLLM's CPU build: a few minutes to set up the first time)
+test-peers: setup
+	bash scripts/setup-peers.sh vllm
+	$(PY) -m pytest -m peers -s
 
 # everything that needs none of the heavy parts, in about a minute
 test-fast: setup

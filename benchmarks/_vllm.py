@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks._common import file_tail, log
 from benchmarks._services import free_port
 
-__all__ = ["VLLM_VENV", "VllmServer", "ensure_vllm", "vllm_serve"]
+__all__ = ["VLLM_VENV", "VllmServer", "ensure_vllm", "vllm_fleet", "vllm_serve", "worker_url"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = REPO_ROOT / ".venv-vllm"
@@ -40,6 +40,8 @@ class VllmServer:
     port: int
     log_path: Path
     ready_s: float
+    events_port: int | None = None  # its KV-event publisher (vllm_fleet), bound on every interface
+    replay_port: int | None = None
 
     def log_tail(self, num_chars: int = 3000) -> str:
         return file_tail(self.log_path, num_chars)
@@ -133,3 +135,56 @@ def _wait_group_gone(process: subprocess.Popen[bytes], group: int, timeout_s: fl
         if time.monotonic() > deadline_s:
             return False
         time.sleep(0.1)
+
+
+def kv_events_flags(events_port: int, replay_port: int) -> list[str]:
+    """vLLM's flags for its KV-event publisher on `events_port` (a wildcard endpoint, which vLLM binds; it
+    connects to a host's address instead) and its replay socket on `replay_port`."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events_port}",
+              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}"}
+    return ["--kv-events-config", json.dumps(config)]
+
+
+def worker_url(server: VllmServer, worker_id: str) -> str:
+    """The `dynctl gateway --worker-url` of a server `vllm_fleet` started."""
+    url = f"vllm=http://127.0.0.1:{server.port};id={worker_id}"
+    if server.events_port is not None:
+        url += f";events=tcp://127.0.0.1:{server.events_port};replay=tcp://127.0.0.1:{server.replay_port}"
+    return url
+
+
+@contextlib.contextmanager
+def vllm_fleet(python: Path, model_dir: Path, served_name: str, flags: Sequence[str], *, num: int, log_dir: Path,
+               envs: Sequence[Mapping[str, str]] = (), start_timeout_s: float = 600.0) -> Iterator[list[VllmServer]]:
+    """`num` vLLM servers started at once (each with its KV-event publisher and replay socket; `envs[i]` for
+    the i-th), ready together, stopped after the block."""
+    started: list[tuple[subprocess.Popen[bytes], int, Path, int, int]] = []
+    started_s = time.monotonic()
+    try:
+        for i in range(num):
+            port, events_port, replay_port = free_port(), free_port(), free_port()
+            argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+                    "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port), *flags,
+                    *kv_events_flags(events_port, replay_port)]
+            child_env = {**os.environ, **(envs[i] if i < len(envs) else {})}
+            child_env.pop("PYTHONPATH", None)
+            log_path = log_dir / f"vllm-{i}.log"
+            with open(log_path, "wb") as log_file:
+                process = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           cwd=log_dir, env=child_env, start_new_session=True)
+            started.append((process, port, log_path, events_port, replay_port))
+        for process, port, log_path, _e, _r in started:
+            _wait_ready(process, port, served_name, log_path, start_timeout_s)
+        ready_s = time.monotonic() - started_s
+        yield [VllmServer(process, port, log_path, ready_s, events_port, replay_port)
+               for process, port, log_path, events_port, replay_port in started]
+    finally:
+        for process, *_ in started:
+            _stop(process, 30.0)
+
+
+def kill(server: VllmServer) -> None:
+    """SIGKILL the server's whole process group (its engine core and workers): a worker dying."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait()

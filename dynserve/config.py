@@ -96,6 +96,10 @@ class Settings(BaseSettings):
     worker_num_cpus: float = Field(1.0, gt=0, description="Ray CPUs reserved by each worker",
                                    json_schema_extra=_CLUSTER)
     workers: int = Field(1, ge=1, description="engine workers to start (dynctl serve)", json_schema_extra=_CLUSTER)
+    worker_urls: list[str] = Field([], description="attach OpenAI-compatible servers others run as workers "
+                                   "(dynctl gateway; repeat the flag): 'vllm=http://HOST:PORT[;events=tcp://HOST:PORT]"
+                                   "[;replay=tcp://HOST:PORT][;id=NAME]' (vLLM, its KV events relayed to the router) "
+                                   "or 'openai=http://HOST:PORT' (any other)", json_schema_extra=_CLUSTER)
     # Addresses are the node's: a worker inside Ray reads them from its own process's environment
     # (DYN_ADVERTISE_HOST, DYN_BIND_HOST: a pod sets its pod IP), not from the settings its driver sent.
     advertise_host: str | None = Field(

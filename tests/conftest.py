@@ -62,6 +62,7 @@ MARKERS = {
     "netns": "builds hosts out of network namespaces (root)",
     "install": "pip-installs the package into a fresh virtualenv",
     "fuzz": "runs a fuzzer's budget of generated requests",
+    "peers": "runs a peer system from its own venv (vLLM's CPU build): make test-peers, not make test",
 }
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -138,7 +138,7 @@ def test_a_local_fleet_gets_a_random_token_and_a_joined_cluster_keeps_its_own() 
 
 
 def test_api_keys_of_the_same_length_are_refused() -> None:
-    from dynserve.gateway.completions import GatewayState
+    from dynserve.gateway.state import GatewayState
     from dynserve.gateway.errors import ApiError
 
     state = GatewayState(Settings(api_key=KEY), cast(Any, None), cast(Any, None))

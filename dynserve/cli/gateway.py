@@ -3,6 +3,9 @@ runs `dynctl serve`; its extra gateway pods run this). It joins the fleet's Ray 
 reads its Redis event plane (`--redis-url`), waits for the first worker to register, then serves the OpenAI
 API over every worker of the registry, following them as they come and go, with its own router fed by the
 workers' KV events. It starts and stops no worker, and runs no planner.
+
+`--worker-url` attaches servers others run (vLLM, any OpenAI-compatible one: `workers.attached`) as
+workers: on the fleet's registry when one is given, else on an event plane of this process alone.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
+from dynserve.events.base import EventPlane
+from dynserve.workers.attached import AttachedWorker, WorkerUrl, describe_server, parse_worker_url
 
 __all__ = ["gateway"]
 
@@ -26,28 +31,35 @@ def gateway(settings: Settings) -> int:
     from dynserve.model.resolve import resolve_model_path
     from dynserve.model.tokenizer import Tokenizer
 
-    if settings.ray_address is None and settings.redis_url is None:
+    if settings.ray_address is None and settings.redis_url is None and not settings.worker_urls:
         raise InvalidRequestError("dynctl gateway serves a fleet that runs elsewhere: give its --ray-address "
-                                  "(or --redis-url)", param="ray_address")
+                                  "(or --redis-url), or the servers to attach (--worker-url)", param="ray_address")
+    specs = [parse_worker_url(spec) for spec in settings.worker_urls]
     tokenizer = Tokenizer.load(resolve_model_path(settings.model))
-    if settings.redis_url is None:
+    if settings.redis_url is None and settings.ray_address is not None:
         start_ray(settings)
-    uvloop.run(_gateway(settings, tokenizer))
+    uvloop.run(_gateway(settings, tokenizer, specs))
     print("dynserve: gateway stopped", file=sys.stderr)
     return EXIT_OK
 
 
-async def _gateway(settings: Settings, tokenizer: Any) -> None:
+async def _gateway(settings: Settings, tokenizer: Any, specs: list[WorkerUrl]) -> None:
+    from dynserve.events.memory import MemoryEventPlane
     from dynserve.events.ray_plane import connect_event_plane
     from dynserve.gateway.server import make_gateway_app, serve_app_async
 
-    registry = connect_event_plane(settings.redis_url, settings.namespace,
-                                   cluster_token=settings.secret("cluster_token"))
+    if settings.ray_address is None and settings.redis_url is None:  # attached servers only: the plane is ours
+        registry: EventPlane = MemoryEventPlane()
+    else:
+        registry = connect_event_plane(settings.redis_url, settings.namespace,
+                                       cluster_token=settings.secret("cluster_token"))
+    attached = await _attach(settings, registry, specs)
     try:
         print("waiting for the fleet's first worker to register...", file=sys.stderr, flush=True)
         while not (infos := await registry.workers()):
             await asyncio.sleep(1.0)
-        app = make_gateway_app(settings, infos, tokenizer, registry=registry)
+        own_plane = isinstance(registry, MemoryEventPlane)  # the router reads the relayed events from it too
+        app = make_gateway_app(settings, infos, tokenizer, registry=registry, events=registry if own_plane else None)
 
         def on_ready(port: int) -> None:
             print(f"dynserve gateway: serving {infos[0].model_id} at http://{settings.host}:{port}/v1 over the "
@@ -55,4 +67,19 @@ async def _gateway(settings: Settings, tokenizer: Any) -> None:
 
         await serve_app_async(app, settings, on_ready)
     finally:
+        await asyncio.gather(*(worker.stop() for worker in attached), return_exceptions=True)
         await registry.close()
+
+
+async def _attach(settings: Settings, registry: EventPlane, specs: list[WorkerUrl]) -> list[AttachedWorker]:
+    """The `--worker-url` servers described, registered on `registry` and their KV events relayed."""
+    infos = await asyncio.gather(*(
+        describe_server(spec, worker_id=spec.worker_id or f"{spec.engine}-{i}", block_size=settings.block_size,
+                        max_model_len=settings.max_model_len) for i, spec in enumerate(specs)))
+    attached = [AttachedWorker(registry, info, spec, lease_s=settings.worker_lease_s)
+                for info, spec in zip(infos, specs, strict=True)]
+    for worker in attached:
+        await worker.start()
+        print(f"attached {worker.info.engine} worker {worker.info.worker_id} at {worker.spec.url} "
+              f"(model {worker.info.model_id}, blocks of {worker.info.block_size})", file=sys.stderr, flush=True)
+    return attached

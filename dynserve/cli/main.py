@@ -62,7 +62,8 @@ def _build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="a gateway alone over a fleet that runs elsewhere (its Ray cluster "
                              "or Redis event plane): more gateways for one fleet")
     _add_settings_flags(gateway, "gateway", "cluster")
-    add_settings_group(gateway, "engine", only={"model"})  # its tokenizer
+    # its tokenizer; for attached servers, what their API may not say
+    add_settings_group(gateway, "engine", only={"model", "block_size", "max_model_len"})
     from dynserve.cli.deploy import add_kube_commands
 
     add_kube_commands(sub)  # deploy, status, delete

@@ -9,7 +9,7 @@ failure, 2 bad usage or input.
 from __future__ import annotations
 
 import argparse
-from typing import Any, get_args
+from typing import Any, get_args, get_origin
 
 import pydantic
 
@@ -35,6 +35,11 @@ def add_settings_group(parser: argparse.ArgumentParser, group_name: str, *, only
         help_text = f"{field.description} [env: {env}; default: {field.default}]".replace("%", "%%")
         if field.annotation is bool:
             group.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                               help=help_text)
+            continue
+        if get_origin(field.annotation) is list:  # repeated: --flag A --flag B (also named in the singular)
+            flags += ["--" + name.removesuffix("s").replace("_", "-")] if name.endswith("s") else []
+            group.add_argument(*flags, dest=name, action="append", default=None, metavar=name.upper().rstrip("S"),
                                help=help_text)
             continue
         choices = [c for c in get_args(field.annotation) if isinstance(c, str)] or None

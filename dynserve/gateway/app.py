@@ -20,11 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import dynserve
 from dynserve.config import Settings
+from dynserve.events.base import EventPlane
 from dynserve.gateway.admission import Admission
+from dynserve.gateway.asgi import AsgiHandler
+from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes
 from dynserve.gateway.dispatcher import Backend
-from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes, GatewayState
 from dynserve.gateway.errors import ApiError, install_error_handlers
-from dynserve.gateway.http import AsgiHandler, Exchange
+from dynserve.gateway.http import Exchange
 from dynserve.gateway.schemas import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -32,6 +34,7 @@ from dynserve.gateway.schemas import (
     CompletionResponse,
     ErrorResponse,
 )
+from dynserve.gateway.state import GatewayState
 from dynserve.model.tokenizer import Tokenizer
 
 __all__ = ["Gateway", "build_app", "scrape_targets"]
@@ -56,8 +59,9 @@ class Gateway:
         return self.api.router.lifespan_context(self.api)
 
 
-def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer) -> Gateway:
-    """The gateway app; its lifespan connects to the backend's workers and starts polling their loads."""
+def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, events: EventPlane | None = None) -> Gateway:
+    """The gateway app; its lifespan connects to the backend's workers and starts polling their loads, and
+    feeds each KV router from `events` (default: the fleet's plane, from `settings`)."""
     state = GatewayState(settings, backend, tokenizer)
     if settings.admission_ttft_ms is not None:
         # it starts low and grows while first tokens come in time: a burst at start-up cannot blow the target
@@ -70,7 +74,7 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer) -> Gat
     for pool, dispatcher in pools:
         if dispatcher.router is not None:
             state.metrics.watch_router(dispatcher.router, pool=pool)
-    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, backend),
+    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, backend, events),
                   description="OpenAI-compatible gateway of dynserve")
     install_error_handlers(api)
     _add_ops_routes(api, state, backend)
@@ -79,7 +83,8 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer) -> Gat
     return Gateway(state, api)
 
 
-def _lifespan(settings: Settings, backend: Backend) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+def _lifespan(settings: Settings, backend: Backend,
+              events: EventPlane | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The FastAPI lifespan: connect to the workers, and feed each KV router from the event plane."""
 
     @asynccontextmanager
@@ -90,8 +95,11 @@ def _lifespan(settings: Settings, backend: Backend) -> Callable[[FastAPI], Abstr
             if dispatcher.router is not None and dispatcher.router.mode == "kv":
                 from dynserve.events.ray_plane import connect_event_plane
 
-                planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace,
-                                                           cluster_token=settings.secret("cluster_token")))
+                if events is not None:
+                    plane = events
+                else:
+                    planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace,
+                                                               cluster_token=settings.secret("cluster_token")))
                 consumers.append(asyncio.create_task(dispatcher.router.consume(plane, backend.snapshot),
                                                      name="kv-events"))
         try:

@@ -5,7 +5,7 @@ Every request is read whole and handed to the `Handler` as an `Exchange`. The ha
 (`respond`) or streams (`start_stream`, `write`, `end`: chunked transfer encoding), and can wait on
 `exchange.gone`, a future that completes when the client disconnects. Requests on one connection are
 answered in order; a pipelined request waits for the one before it. Other routes go through an ASGI bridge
-(`AsgiHandler`) to the FastAPI app, whose lifespan the server runs.
+(`asgi.AsgiHandler`) to the FastAPI app, whose lifespan the server runs.
 
 What a client may send is bounded (`HttpLimits`, from the gateway's settings); past a bound the client gets
 an OpenAI-shaped error and the connection is closed:
@@ -32,22 +32,17 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import httptools
 
 from dynserve.gateway.errors import error_body
+from dynserve.gateway.exchange import Exchange, closing_response
 
-__all__ = ["AsgiHandler", "Exchange", "Handler", "HttpLimits", "HttpServer"]
+__all__ = ["Exchange", "Handler", "HttpLimits", "HttpServer"]
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[["Exchange"], Awaitable[None]]
-_REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found", 405: b"Method Not Allowed",
-            408: b"Request Timeout", 413: b"Payload Too Large", 422: b"Unprocessable Entity",
-            429: b"Too Many Requests", 431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
-            503: b"Service Unavailable"}
-_SERVER = b"server: dynserve\r\n"
 _JSON = [(b"content-type", b"application/json")]
 
 
@@ -62,72 +57,8 @@ class HttpLimits:
     keep_alive_timeout_s: float = 5.0
 
 
-def _status_line(status: int) -> bytes:
-    return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Status"))
-
-
-def _header_block(headers: list[tuple[bytes, bytes]]) -> bytes:
-    return b"".join(name + b": " + value + b"\r\n" for name, value in headers)
-
-
-def _closing_response(status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
-    return (_status_line(status) + _SERVER + b"connection: close\r\n" + _header_block(headers)
-            + b"content-length: %d\r\n\r\n" % len(body) + body)
-
-
 class _Stop(Exception):
     """Raised from a parser callback once the request is refused: nothing after it is parsed."""
-
-
-class Exchange:
-    """One request and its response. `headers` has lower-cased names; `gone` completes on disconnect. A HEAD
-    request arrives as a GET with `head_only` set: the response's head is written, its body is not."""
-
-    __slots__ = ("_conn", "_keep_alive", "_streaming", "answered", "body", "gone", "head_only", "headers",
-                 "method", "path", "query", "status")
-
-    def __init__(self, conn: _Connection, method: bytes, path: bytes, query: bytes,
-                 headers: dict[bytes, bytes], body: bytes, keep_alive: bool, head_only: bool = False) -> None:
-        self._conn, self.method, self.path, self.query = conn, method, path, query
-        self.headers, self.body, self._keep_alive, self.head_only = headers, body, keep_alive, head_only
-        self.gone: asyncio.Future[None] = conn.gone
-        self.status: int | None = None
-        self.answered = False
-        self._streaming = False
-
-    def respond(self, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:
-        """The whole response in one write."""
-        self.status, self.answered = status, True
-        connection = b"" if self._keep_alive else b"connection: close\r\n"
-        self._conn.write(_status_line(status) + _SERVER + connection + _header_block(headers)
-                         + b"content-length: %d\r\n\r\n" % len(body) + (b"" if self.head_only else body))
-
-    def start_stream(self, status: int, headers: list[tuple[bytes, bytes]], first: bytes = b"") -> None:
-        """Send the head of a chunked response, and `first` as its first chunk when given."""
-        self.status, self.answered, self._streaming = status, True, True
-        connection = b"" if self._keep_alive else b"connection: close\r\n"
-        head = (_status_line(status) + _SERVER + connection + _header_block(headers)
-                + b"transfer-encoding: chunked\r\n\r\n")
-        if first and not self.head_only:
-            head += b"%x\r\n%s\r\n" % (len(first), first)
-        self._conn.write(head)
-
-    def write(self, data: bytes) -> None:
-        if data and not self.head_only:
-            self._conn.write(b"%x\r\n%s\r\n" % (len(data), data))
-
-    def end(self, last: bytes = b"") -> None:
-        """Close a chunked response, `last` being its final chunk."""
-        if not self.head_only:
-            self._conn.write((b"%x\r\n%s\r\n" % (len(last), last) if last else b"") + b"0\r\n\r\n")
-
-    async def drain(self) -> None:
-        """Wait while the client reads slower than we write (the transport's buffer is over its mark)."""
-        await self._conn.drain()
-
-    @property
-    def keep_alive(self) -> bool:
-        return self._keep_alive
 
 
 class _Connection(asyncio.Protocol):
@@ -336,7 +267,7 @@ class _Connection(asyncio.Protocol):
         self._refused = True
         self._reading = self._in_head = False
         self._cancel_timer()
-        response = _closing_response(status, error_body(message, "invalid_request_error", code=code), _JSON)
+        response = closing_response(status, error_body(message, "invalid_request_error", code=code), _JSON)
         if self.transport is None or self.transport.is_closing():
             return
         if self.active is None:
@@ -421,55 +352,3 @@ class HttpServer:
             task.cancel()  # (connection_lost does too, a loop pass later)
         if cut:
             await asyncio.wait(cut, timeout=2.0)  # their requests are aborted on the workers
-
-
-class AsgiHandler:
-    """Answers an `Exchange` with an ASGI app (FastAPI here): one `http.request` message carrying the whole
-    body, then `http.disconnect` when the client goes; the response is streamed chunked unless the app set a
-    content-length."""
-
-    def __init__(self, app: Any, server_address: tuple[str, int]) -> None:
-        self.app, self.server_address = app, server_address
-
-    async def __call__(self, exchange: Exchange) -> None:
-        scope = {
-            "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-            "method": exchange.method.decode(), "scheme": "http", "path": exchange.path.decode("utf-8", "replace"),
-            "raw_path": exchange.path, "query_string": exchange.query, "root_path": "",
-            "headers": list(exchange.headers.items()), "client": None, "server": self.server_address,
-            "state": {},
-        }
-        delivered = False
-
-        async def receive() -> dict[str, Any]:
-            nonlocal delivered
-            if not delivered:
-                delivered = True
-                return {"type": "http.request", "body": exchange.body, "more_body": False}
-            await exchange.gone
-            return {"type": "http.disconnect"}
-
-        start: dict[str, Any] = {}
-
-        async def send(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                start.update(message)
-                return
-            if message["type"] != "http.response.body":
-                return
-            body, more = message.get("body", b""), message.get("more_body", False)
-            if not exchange.answered:
-                headers = [(bytes(k).lower(), bytes(v)) for k, v in start.get("headers", [])]
-                headers = [(k, v) for k, v in headers if k != b"content-length"]
-                if not more:
-                    exchange.respond(start["status"], body, headers)
-                    return
-                exchange.start_stream(start["status"], headers, body)
-            else:
-                exchange.write(body)
-            if more:
-                await exchange.drain()
-            else:
-                exchange.end()
-
-        await self.app(scope, receive, send)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, WithJsonSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 __all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "CompletionRequest", "CompletionResponse",
            "ErrorResponse", "StreamOptions", "TextPart"]

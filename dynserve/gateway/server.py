@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 
 from dynserve.config import Settings
+from dynserve.errors import InvalidRequestError
 from dynserve.events.base import EventPlane
 from dynserve.gateway.app import Gateway, build_app
 from dynserve.gateway.backend import make_channel
@@ -31,12 +32,13 @@ __all__ = ["GatewayServer", "http_limits", "make_backend", "make_disaggregated_b
 
 
 def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None, *,
-                     registry: EventPlane | None = None) -> Gateway:
+                     registry: EventPlane | None = None, events: EventPlane | None = None) -> Gateway:
     """The gateway over workers already started (their `WorkerInfo`s); loads the tokenizer if not given.
     With several workers, requests are routed by `settings.router` (the kv mode reads the event plane).
-    With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerDirectory`)."""
+    With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerDirectory`).
+    `events`: the plane the KV routers read (default: the fleet's, from `settings`)."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
-    return build_app(settings, make_backend(settings, infos, registry, tokenizer), tokenizer)
+    return build_app(settings, make_backend(settings, infos, registry, tokenizer), tokenizer, events=events)
 
 
 def make_backend(settings: Settings, infos: list[WorkerInfo], registry: EventPlane | None = None,
@@ -56,6 +58,10 @@ def make_disaggregated_backend(settings: Settings, infos: list[WorkerInfo],
     """Prefill and decode dispatchers over the workers of those roles among `infos` (or the registry)."""
     if not infos:
         raise ValueError("a disaggregated gateway needs the info of at least one started worker")
+    others = sorted({info.engine for info in infos} - {"dynserve"})
+    if others:
+        raise InvalidRequestError(f"disaggregated serving moves KV pages between dynserve's own workers; {others[0]} "
+                                  "workers serve aggregated only (no --prefill-workers)", param="prefill_workers")
     prefill_infos = [info for info in infos if info.role == "prefill"]
     decode_infos = [info for info in infos if info.role != "prefill"]
 

@@ -257,13 +257,15 @@ class OpenAIChannel:
     async def _refuse(self, response: Any) -> None:
         """Raise for a non-200 answer: the server's 4xx as an invalid request (its message), else unavailable."""
         await response.aread()
+        param = None
         try:
             error = response.json().get("error") or {}
             message = error.get("message") if isinstance(error, dict) else str(error)
+            param = error.get("param") if isinstance(error, dict) else None
         except ValueError:
             message = response.text[:300]
         if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
-            raise InvalidRequestError(f"{self.info.engine} refused the request: {message}", param=None)
+            raise InvalidRequestError(f"{self.info.engine} refused the request: {message}", param=param)
         raise self._unavailable(f"answered {response.status_code}: {message}")
 
 

