@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -289,6 +290,11 @@ def test_a_standin_killed_mid_stream_migrates_and_the_text_is_the_undisturbed_on
     assert killed and "".join(pieces) == whole
     metrics = httpx.get(f"{url}/metrics", timeout=10).text
     assert re.search(r'^dynserve_migrations_total\{reason="worker_failed"\} 1\.0$', metrics, re.MULTILINE)
+    # the dead server stops answering /health: its attacher takes it off the registry, so it leaves the fleet
+    deadline_s = time.monotonic() + 10
+    while len(httpx.get(f"{url}/metrics/targets", timeout=10).json()) != 2:  # the gateway and the survivor
+        assert time.monotonic() < deadline_s, httpx.get(f"{url}/metrics/targets", timeout=10).json()
+        time.sleep(0.1)
 
 
 def _running_total(server: Any) -> float:

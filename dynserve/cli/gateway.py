@@ -6,6 +6,10 @@ workers' KV events. It starts and stops no worker, and runs no planner.
 
 `--worker-url` attaches servers others run (vLLM, any OpenAI-compatible one: `workers.attached`) as
 workers: on the fleet's registry when one is given, else on an event plane of this process alone.
+
+`dynctl attach --worker-url ...` does only that half: it puts servers on a fleet's registry (its Ray cluster
+or Redis) and relays their KV events there, for every gateway of the fleet (`dynctl serve` and `dynctl
+gateway` follow the registry); a vLLM pod's sidecar on Kubernetes runs it.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from dynserve.errors import InvalidRequestError
 from dynserve.events.base import EventPlane
 from dynserve.workers.attached import AttachedWorker, WorkerUrl, describe_server, parse_worker_url
 
-__all__ = ["gateway"]
+__all__ = ["attach", "gateway"]
 
 EXIT_OK = 0
 
@@ -83,3 +87,41 @@ async def _attach(settings: Settings, registry: EventPlane, specs: list[WorkerUr
         print(f"attached {worker.info.engine} worker {worker.info.worker_id} at {worker.spec.url} "
               f"(model {worker.info.model_id}, blocks of {worker.info.block_size})", file=sys.stderr, flush=True)
     return attached
+
+
+def attach(settings: Settings) -> int:
+    """`dynctl attach`: the `--worker-url` servers on the fleet's registry until SIGINT/SIGTERM."""
+    import signal
+
+    import uvloop
+
+    from dynserve.cli.serve import start_ray
+
+    if not settings.worker_urls:
+        raise InvalidRequestError("dynctl attach needs the servers to attach (--worker-url)", param="worker_urls")
+    if settings.ray_address is None and settings.redis_url is None:
+        raise InvalidRequestError("dynctl attach puts servers on a fleet's registry: give its --ray-address (or "
+                                  "--redis-url)", param="ray_address")
+    specs = [parse_worker_url(spec) for spec in settings.worker_urls]
+    if settings.redis_url is None:
+        start_ray(settings)
+
+    async def run() -> None:
+        from dynserve.events.ray_plane import connect_event_plane
+
+        registry = connect_event_plane(settings.redis_url, settings.namespace,
+                                       cluster_token=settings.secret("cluster_token"))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        attached = await _attach(settings, registry, specs)
+        try:
+            await stop.wait()
+        finally:
+            await asyncio.gather(*(worker.stop() for worker in attached), return_exceptions=True)
+            await registry.close()
+
+    uvloop.run(run())
+    print("dynserve: attached workers left the registry", file=sys.stderr)
+    return EXIT_OK

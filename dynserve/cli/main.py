@@ -64,6 +64,10 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_settings_flags(gateway, "gateway", "cluster")
     # its tokenizer; for attached servers, what their API may not say
     add_settings_group(gateway, "engine", only={"model", "block_size", "max_model_len"})
+    attach = sub.add_parser("attach", help="put OpenAI servers others run (vLLM: its KV events too) on a fleet's "
+                            "registry as workers (--worker-url, repeated)")
+    _add_settings_flags(attach, "cluster")
+    add_settings_group(attach, "engine", only={"block_size", "max_model_len"})
     from dynserve.cli.deploy import add_kube_commands
 
     add_kube_commands(sub)  # deploy, status, delete
@@ -150,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             from dynserve.cli.gateway import gateway
 
             return gateway(settings_from(args))
+        if args.command == "attach":
+            from dynserve.cli.gateway import attach
+
+            return attach(settings_from(args))
         if args.command in ("deploy", "status", "delete"):
             from dynserve.cli.deploy import run
 

@@ -99,29 +99,59 @@ async def describe_server(spec: WorkerUrl, *, worker_id: str, block_size: int, m
 
 
 class AttachedWorker:
-    """One attached server on `plane` (an `EventPlane`): registered while `start`ed, its KV events relayed."""
+    """One attached server on `plane` (an `EventPlane`): registered while `start`ed and while it answers
+    `/health` (checked every third of the lease: a server that stops answering leaves the registry, and
+    joins again when it answers), its KV events relayed."""
 
     def __init__(self, plane: Any, info: WorkerInfo, spec: WorkerUrl, *, lease_s: float) -> None:
-        self.info, self.spec = info, spec
+        self.info, self.spec, self.plane, self.lease_s = info, spec, plane, lease_s
         self.registration = Registration(plane, info.worker_id, lease_s)
+        self.registered = False
         self.relay: VllmEventRelay | None = None
         if spec.events is not None:
             translator = VllmTranslator(info.model_id, info.block_size)
             self.relay = VllmEventRelay(self.registration.queue_kv_events, info.worker_id, translator, spec.events,
                                         replay_endpoint=spec.replay)
-        self._task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
         await self.registration.join(self.info)
+        self.registered = True
         if self.relay is not None:
-            self._task = asyncio.create_task(self.relay.run(), name=f"kv-relay-{self.info.worker_id}")
+            self._tasks.append(asyncio.create_task(self.relay.run(), name=f"kv-relay-{self.info.worker_id}"))
+        self._tasks.append(asyncio.create_task(self._watch(), name=f"health-{self.info.worker_id}"))
         logger.info("worker %s: %s at %s (%s)", self.info.worker_id, self.info.engine, self.spec.url,
                     f"KV events from {self.spec.events}" if self.relay else "no KV events")
 
+    async def _watch(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=self.spec.url, timeout=max(1.0, self.lease_s / 3)) as client:
+            while True:
+                await asyncio.sleep(self.lease_s / 3)
+                try:
+                    healthy = (await client.get("/health")).status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                if healthy and not self.registered:
+                    logger.info("worker %s answers again: it joins the registry", self.info.worker_id)
+                    self.registration = Registration(self.plane, self.info.worker_id, self.lease_s)
+                    await self.registration.join(self.info)
+                    if self.relay is not None:  # what it cached before is gone or unknown: start afresh
+                        self.relay.emit = self.registration.queue_kv_events
+                        self.registration.queue_kv_events([self.relay.translator.reset()])
+                    self.registered = True
+                elif not healthy and self.registered:
+                    logger.warning("worker %s does not answer /health: it leaves the registry", self.info.worker_id)
+                    self.registered = False
+                    await self.registration.leave()
+                    self.registration.cancel()
+
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self.registration.leave()
+                await task
+        if self.registered:
+            await self.registration.leave()
         self.registration.cancel()
