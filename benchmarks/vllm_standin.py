@@ -239,12 +239,17 @@ async def _serve_replay(standin: Standin, endpoint: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Its own flags, and vLLM's server flags that matter here (`--served-model-name`, `--block-size`,
+    `--max-model-len`, `--kv-events-config`), so a pool can start it where it would start vLLM; the rest of
+    vLLM's flags are accepted and ignored."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", required=True, help="the served name, or (as vLLM takes it) a path")
+    parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--kv-events", default=None, help="the ZMQ PUB endpoint to bind (none: no events)")
     parser.add_argument("--replay", default=None, help="the ZMQ ROUTER endpoint for replays")
+    parser.add_argument("--kv-events-config", default=None, help="vLLM's: its endpoint and replay_endpoint")
     parser.add_argument("--topic", default="")
     parser.add_argument("--shape", choices=["tagged", "positional"], default="tagged")
     parser.add_argument("--block-size", type=int, default=32)
@@ -254,7 +259,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--eos-token-id", type=int, default=None)
-    return parser.parse_args(argv)
+    args, _vllm_flags = parser.parse_known_args(argv)
+    args.model = args.served_model_name or Path(args.model).name
+    if args.kv_events_config:
+        config = json.loads(args.kv_events_config)
+        args.kv_events = args.kv_events or config.get("endpoint")
+        args.replay = args.replay or config.get("replay_endpoint")
+        args.topic = config.get("topic", args.topic)
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

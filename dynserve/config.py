@@ -34,7 +34,13 @@ class Settings(BaseSettings):
     dtype: DType = Field("auto", description="weights and activations dtype; 'auto': bfloat16 on a CPU with "
                                              "AVX512-BF16 (where the engine's bf16 kernels run), float32 elsewhere")
     device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu' or 'cuda[:N]'")
-    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block")
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (a vLLM worker's: a multiple of its "
+                            "attention backend's, 32 on CPU)")
+    engine: Literal["dynserve", "vllm"] = Field("dynserve", description="what each worker runs: dynserve's engine, "
+                                                "or vLLM's OpenAI server (vllm_command), started by the pool")
+    vllm_command: str | None = Field(None, description="engine vllm: how to start vLLM's OpenAI server on a "
+                                     "worker's node, e.g. '/opt/vllm/bin/python -m vllm.entrypoints.openai.api_server'")
+    vllm_args: str = Field("", description="engine vllm: more flags for vLLM's server (e.g. '--dtype bfloat16')")
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks to allocate; default: from kv_cache_gib")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV cache size when kv_blocks is not given")
     max_num_seqs: int = Field(64, ge=1, description="sequences batched together at most")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import time
@@ -303,3 +304,41 @@ def _running_total(server: Any) -> float:
     except httpx.HTTPError:
         return 0.0
     return float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.MULTILINE).group(1))
+
+
+# ---- vLLM workers that a pool starts and replaces (dynctl serve --engine vllm), stand-ins for vLLM --------
+
+
+def test_dynctl_serve_engine_vllm_starts_attaches_and_replaces_its_workers(
+        dynctl: str, dynctl_serve: Any) -> None:
+    import sys
+
+    from dynserve.model.resolve import default_model_path
+
+    repo = Path(__file__).resolve().parent.parent
+    # the stand-in takes vLLM's server flags, so the pool starts it where it would start vLLM
+    command = [dynctl, "serve", "--port", "0", "--engine", "vllm", "--workers", "2", "--block-size", "32",
+               "--model", str(default_model_path()), "--worker-num-cpus", "0.1",
+               "--vllm-command", f"env PYTHONPATH={repo} {sys.executable} -m benchmarks.vllm_standin",
+               "--vllm-args", "--decode-ms 1"]
+    env = {**os.environ, "DYN_POOL_RESTART_BACKOFF_S": "0"}
+    with dynctl_serve(command, 240, env) as served:
+        url = f"http://127.0.0.1:{served.port}"
+        ready = httpx.get(f"{url}/ready", timeout=10).json()
+        assert len(ready["workers"]) == 2, ready
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        answer = client.completions.create(model=ready["model"], prompt="Hello there", max_tokens=5)
+        assert answer.usage.completion_tokens == 5
+        # a vLLM server that dies (its whole process group) is replaced by the pool, under a new worker id
+        victim = next(t for t in httpx.get(f"{url}/metrics/targets", timeout=10).json()
+                      if t["labels"]["component"] == "worker")["targets"][0]
+        subprocess.run(["pkill", "-9", "-f", f"vllm_standin .*--port {victim.rsplit(':', 1)[1]}"], check=True)
+        deadline_s = time.monotonic() + 60
+        while True:
+            workers = httpx.get(f"{url}/ready", timeout=10).json()["workers"]
+            if len(workers) == 2 and set(workers) != set(ready["workers"]):
+                break
+            assert time.monotonic() < deadline_s, workers
+            time.sleep(0.2)
+        assert client.completions.create(model=ready["model"], prompt="Again", max_tokens=3).usage.completion_tokens == 3
+    assert served.code == 0, served.rest

@@ -164,13 +164,23 @@ def _disaggregated(settings: Settings) -> bool:
 
 def check_layout(settings: Settings) -> None:
     """Raise InvalidRequestError for a worker layout that cannot serve (prefill without decode workers, an
-    unknown mocker profile)."""
+    unknown mocker profile, vLLM workers without their command or model, or disaggregated)."""
     from dynserve.errors import InvalidRequestError
     from dynserve.workers.mocker_profiles import get_profile
 
     if settings.mocker is not None:
         get_profile(settings.mocker)  # names the known profiles
 
+    if settings.engine == "vllm":
+        if _disaggregated(settings):
+            raise InvalidRequestError("disaggregated serving moves KV pages between dynserve's own workers; vLLM "
+                                      "workers serve aggregated (--workers N, no --prefill-workers)",
+                                      param="prefill_workers")
+        if settings.mocker is not None:
+            raise InvalidRequestError("--mocker simulates dynserve's engine, not vLLM's", param="mocker")
+        from dynserve.workers.vllm_worker import vllm_argv
+
+        vllm_argv(settings, host="127.0.0.1", port=0, events_port=0, replay_port=0)  # names what is missing
     if _disaggregated(settings) and (settings.prefill_workers < 1 or settings.decode_workers < 1):
         raise InvalidRequestError("disaggregated serving needs at least one prefill and one decode worker "
                                   "(--prefill-workers N --decode-workers M)", param="prefill_workers")

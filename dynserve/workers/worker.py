@@ -368,12 +368,21 @@ def launch_worker(
 
     `num_cpus` defaults to `reserved_cpus(settings)`; `resources`: custom Ray resources it needs (a pool
     following its nodes: `dynserve_pool_<role>`). A mocker worker when `settings.mocker` names a
-    profile. Resolving the ref waits for the model to load. Ray must be initialized.
+    profile; a `vllm_worker.VllmWorker` when `settings.engine` is vllm. Resolving the ref waits for the model
+    to load. Ray must be initialized.
     """
     import ray
 
     if num_cpus is None:
         num_cpus = reserved_cpus(settings)
+    if settings.engine == "vllm":  # vLLM's server, started and attached by its own actor
+        from dynserve.workers.vllm_worker import VllmWorker
+
+        handle = ray.remote(VllmWorker).options(
+            num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, name=f"dynserve-worker-{worker_id}",
+            max_concurrency=100, scheduling_strategy="SPREAD",
+        ).remote(settings, worker_id, role, publish_events)
+        return handle, handle.start.remote()
     # Ray starts actors with OMP_NUM_THREADS set to their CPU reservation (1 here); torch's later
     # set_num_threads does not undo that for its GEMMs, which then run up to 4x slower. Start the process
     # with the thread count the engine will use.
