@@ -6,6 +6,7 @@ Kubernetes actuator against the same stand-in."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from dynserve.operator.builders import build_children, labels, pod_command
 from dynserve.operator.crd import CRD_DIR, crd_files, deployment_crd, pool_crd
 from dynserve.operator.kube import KubeClient
 from dynserve.operator.reconcile import deployment_status, reconcile_deployment, reconcile_pool
-from dynserve.operator.spec import API_VERSION, KIND, POOL_KIND, parse_deployment
+from dynserve.operator.spec import API_VERSION, KIND, OPERATOR_WRITABLE_PATHS, POOL_KIND, parse_deployment
 from dynserve.planner.kubernetes import ANNOTATION, KubernetesActuator, planner_pools
 from dynserve.workers.pool import node_resource
 from tests._kube import structural_problems, validate, validate_all
@@ -135,6 +136,16 @@ def test_the_crds_schema_refuses_a_relaxation_that_is_not_one(bad: dict[str, Any
     """What the API server refuses before the operator sees it (a repeated path too: the list is a set)."""
     with pytest.raises(jsonschema.ValidationError):
         validate(resource({"security": bad}))
+
+
+def test_the_paths_the_pods_write_are_the_ones_the_crd_keeps_from_writable_paths() -> None:
+    spec = parse_deployment({"model": {"uri": "https://x/m.gguf"}})
+    pod = _by(build_children("smol", NS, spec), "Deployment", "smol-workers")["spec"]["template"]["spec"]
+    mounted = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounted == OPERATOR_WRITABLE_PATHS
+    rule = deployment_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["security"]["properties"]["writablePaths"]["x-kubernetes-validations"][0]["rule"]
+    assert set(re.findall(r"'(/[^']*)'", rule.split("]")[0])) == mounted
 
 
 @pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))

@@ -29,7 +29,7 @@ from dynserve.operator.spec import DeploymentSpec, Resources
 
 __all__ = [
     "CACHE_DIR", "CONTAINER_SECURITY", "OBJECT_STORE_BYTES", "SHM_BYTES", "build_network_policy", "cache_env",
-    "container_resources", "default_memory_bytes", "pod_security", "writable_volumes",
+    "container_resources", "cpu_quantity", "default_memory_bytes", "pod_security", "writable_volumes",
 ]
 
 _MIB, _GIB = 2**20, 2**30
@@ -97,6 +97,7 @@ def container_resources(given: Resources, *, cpu: str, memory_bytes: int) -> dic
 
 
 def cpu_quantity(cpus: float) -> str:
+    """CPUs as Kubernetes writes them: whole ones as a number, else millicores."""
     return f"{cpus:g}" if float(cpus).is_integer() else f"{round(cpus * 1000)}m"
 
 
