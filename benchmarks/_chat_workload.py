@@ -28,6 +28,7 @@ from benchmarks._http import HttpError, RawConnection
 __all__ = ["ChatWorkload", "TurnResult", "make_chat_workload", "play", "summarize"]
 
 _MAX_RETRIES = 3
+_IDLE_REOPEN_S = 4.0  # a connection idle this long is replaced (servers close idle ones after ~5 s)
 _RETRY_DELAY_S = 0.1
 _WORDS = (
     "time person year way day thing man world life hand part child eye woman place work week case point "
@@ -113,6 +114,9 @@ class _Player:
                 self.results.append(result)
                 messages.append({"role": "assistant", "content": answer})
                 await asyncio.sleep(conv.think_s[turn])
+                if conv.think_s[turn] > _IDLE_REOPEN_S:  # as a client's pool does before the server's keep-alive
+                    await conn.close()
+                    conn = await RawConnection(self.host, self.port).open()
         finally:
             await conn.close()
 

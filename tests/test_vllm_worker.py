@@ -298,6 +298,23 @@ def test_a_standin_killed_mid_stream_migrates_and_the_text_is_the_undisturbed_on
         time.sleep(0.1)
 
 
+def test_dynctl_profile_measures_a_vllm_worker_through_its_api(standin_gateway: tuple[str, list[Any]],
+                                                               dynctl: str, tmp_path: Path) -> None:
+    from dynserve.planner.profile import load
+
+    _url, servers = standin_gateway
+    server = next(s for s in servers if s.process.poll() is None)
+    done = subprocess.run([dynctl, "profile", "--worker-url", f"vllm={server.url}", "--quick", "--isl", "64,512",
+                           "--context", "128", "--batch", "1,4", "--output", str(tmp_path / "p.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    profile = load(tmp_path / "p.json")
+    assert [p.isl for p in profile.prefill] == [64, 512] and len(profile.decode) == 2
+    assert (profile.block_size, profile.num_kv_blocks) == (32, 256)  # from the server's cache_config_info
+    # the stand-in's cost model: 0.05 ms per prompt token, 3 ms per decode step
+    assert profile.prefill[1].ttft_s >= 512 * 0.05e-3 and 3e-3 <= profile.decode[0].itl_s < 30e-3
+
+
 def _running_total(server: Any) -> float:
     try:
         text = httpx.get(f"{server.url}/metrics", timeout=5).text
@@ -342,3 +359,44 @@ def test_dynctl_serve_engine_vllm_starts_attaches_and_replaces_its_workers(
             time.sleep(0.2)
         assert client.completions.create(model=ready["model"], prompt="Again", max_tokens=3).usage.completion_tokens == 3
     assert served.code == 0, served.rest
+
+
+def test_the_recording_rules_read_a_vllm_workers_series_as_a_dynserve_workers(tmp_path: Path) -> None:
+    """`promtool test rules` over the shipped rules: vLLM's series, labelled by the gateway's scrape targets,
+    come out as the per-pool series the dashboards and the planner read (a dynserve worker beside it)."""
+    from dynserve.observability.rules import RULES_FILE
+
+    vllm = 'worker_id="v0",role="both",model="m",worker_engine="vllm",engine="0",model_name="m",instance="a:1"'
+    ours = 'worker_id="d0",role="both",model="m",instance="b:2"'
+    (tmp_path / "test.yml").write_text(f"""
+rule_files: [{RULES_FILE}]
+evaluation_interval: 15s
+tests:
+  - interval: 15s
+    input_series:
+      - {{series: 'vllm:num_requests_running{{{vllm}}}', values: '3x8'}}
+      - {{series: 'vllm:num_requests_waiting{{{vllm}}}', values: '2x8'}}
+      - {{series: 'vllm:kv_cache_usage_perc{{{vllm}}}', values: '0.5x8'}}
+      - {{series: 'vllm:num_requests_running{{engine="0",model_name="m",instance="c:3"}}', values: '9x8'}}
+      - {{series: 'dynserve_worker_running_requests{{{ours}}}', values: '1x8'}}
+      - {{series: 'dynserve_worker_waiting_requests{{{ours}}}', values: '0x8'}}
+      - {{series: 'dynserve_worker_kv_blocks_used{{{ours}}}', values: '50x8'}}
+      - {{series: 'dynserve_worker_kv_blocks_capacity{{{ours}}}', values: '100x8'}}
+    promql_expr_test:
+      - expr: role:dynserve_worker_running_requests:sum
+        eval_time: 1m
+        exp_samples: [{{labels: 'role:dynserve_worker_running_requests:sum{{role="both"}}', value: 4}}]
+      - expr: role:dynserve_worker_waiting_requests:sum
+        eval_time: 1m
+        exp_samples: [{{labels: 'role:dynserve_worker_waiting_requests:sum{{role="both"}}', value: 2}}]
+      - expr: worker:dynserve_worker_kv_usage:ratio{{worker_id="v0"}}
+        eval_time: 1m
+        exp_samples:
+          - {{labels: 'worker:dynserve_worker_kv_usage:ratio{{worker_id="v0",role="both",model="m"}}', value: 0.5}}
+      - expr: role:dynserve_workers:count
+        eval_time: 1m
+        exp_samples: [{{labels: 'role:dynserve_workers:count{{role="both"}}', value: 2}}]
+""")
+    done = subprocess.run(["promtool", "test", "rules", str(tmp_path / "test.yml")], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

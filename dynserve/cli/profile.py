@@ -109,6 +109,9 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=None, help="the profile's name [default: the mocker profile's, or "
                         "<model id>-<device>]")
     parser.add_argument("--quick", action="store_true", help="fewer points and shorter runs")
+    parser.add_argument("--worker-url", default=None, metavar="SPEC",
+                        help="measure a running OpenAI server through its API instead (a vLLM worker: "
+                        "'vllm=http://HOST:PORT'; see dynctl gateway --worker-url)")
     parser.add_argument("--isl", type=_int_list, default=None, metavar="N,N,...",
                         help="prefill ISLs [default: 128,256,...,8192; --quick 128,1024,8192; those that "
                         "fit]")
@@ -126,6 +129,8 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> None:
 def profile(args: argparse.Namespace) -> int:
     """Build the engine `args` describe, measure it, write the profile to `args.output`."""
     settings = settings_from(args)
+    if args.worker_url is not None:
+        return _profile_server(args, settings)
     engine, mocker_speedup, name, machine = _build_engine(settings)
     plan = PointPlan.default(engine.scheduler.max_num_seqs, quick=args.quick)
     plan = dataclasses.replace(plan, isls=args.isl or plan.isls, contexts=args.context or plan.contexts,
@@ -141,6 +146,41 @@ def profile(args: argparse.Namespace) -> int:
         block_size=engine.block_manager.block_size, max_num_seqs=engine.scheduler.max_num_seqs,
         max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, max_model_len=engine.max_model_len,
         num_kv_blocks=engine.block_manager.num_blocks, prefill=tuple(prefill), decode=tuple(decode))
+    result.save(args.output)
+    print(f"dynctl profile: wrote {result.name!r} ({len(prefill)} prefill and {len(decode)} decode points) "
+          f"to {args.output}")
+    return EXIT_OK
+
+
+def _profile_server(args: argparse.Namespace, settings: Settings) -> int:
+    """`dynctl profile --worker-url`: measure the server through its API (`profile_server.py`)."""
+    import asyncio
+
+    from dynserve.cli.profile_server import measure_server
+    from dynserve.workers.attached import describe_server, parse_worker_url
+
+    spec = parse_worker_url(args.worker_url)
+    info = asyncio.run(describe_server(spec, worker_id="profiled", block_size=settings.block_size,
+                                       max_model_len=settings.max_model_len))
+    plan = PointPlan.default(settings.max_num_seqs, quick=args.quick)
+
+    def progress(line: str) -> None:
+        print(f"profile: {line}", file=sys.stderr, flush=True)
+
+    prefill, decode = asyncio.run(measure_server(
+        info, spec.url, isls=args.isl or plan.isls, contexts=args.context or plan.contexts,
+        batch_sizes=args.batch or plan.batch_sizes, num_ttft_runs=plan.num_ttft_runs,
+        num_decode_tokens=16 if args.quick else 48, progress=progress))
+    if not prefill or not decode:
+        raise InvalidRequestError("no prefill or no decode point fits this server: choose smaller --isl, "
+                                  "--context or --batch", param="isl" if not prefill else "context")
+    result = CapacityProfile(
+        name=args.name or f"{info.model_id}-{spec.engine}".replace("/", "-").lower(),
+        source=f"{spec.engine} server at {spec.url}, measured over HTTP: {_command(args, settings)}",
+        created=datetime.datetime.now(datetime.UTC).date().isoformat(), block_size=info.block_size,
+        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=info.max_model_len, num_kv_blocks=max(1, info.num_blocks), prefill=tuple(prefill),
+        decode=tuple(decode))
     result.save(args.output)
     print(f"dynctl profile: wrote {result.name!r} ({len(prefill)} prefill and {len(decode)} decode points) "
           f"to {args.output}")
@@ -188,6 +228,7 @@ def _command(args: argparse.Namespace, settings: Settings) -> str:
         if getattr(args, flag):
             words += [f"--{flag}", ",".join(map(str, getattr(args, flag)))]
     words += ["--quick"] * args.quick + (["--name", args.name] if args.name else [])
+    words += ["--worker-url", args.worker_url] if args.worker_url else []
     words += ["--output", args.output]
     return " ".join(words)
 

@@ -146,7 +146,8 @@ def _add_ops_routes(api: FastAPI, state: GatewayState, backend: Backend) -> None
 def scrape_targets(gateway_address: str, backend: Backend) -> list[dict[str, Any]]:
     """Prometheus's HTTP SD document for the fleet this gateway serves: the gateway (at the address its
     scraper reached it by) and every member worker that serves metrics, one target group each, labelled
-    `component` (the workers' series carry their own `worker_id`, `role`, `model`). The registry decides the
+    `component` (dynserve workers' series carry their own `worker_id`, `role`, `model`; another engine's
+    worker gets them, and `worker_engine`, as target labels). The registry decides the
     members, so a worker that joins is listed by the next refresh and one that leaves or dies is not."""
     groups: list[dict[str, Any]] = [{"targets": [gateway_address], "labels": {"component": "gateway"}}]
     for _pool, dispatcher in backend.pools():
@@ -155,7 +156,11 @@ def scrape_targets(gateway_address: str, backend: Backend) -> list[dict[str, Any
             info = channels[worker_id].info
             if info.metrics_port is not None:
                 host = f"[{info.host}]" if ":" in info.host else info.host
-                groups.append({"targets": [f"{host}:{info.metrics_port}"], "labels": {"component": "worker"}})
+                labels = {"component": "worker"}
+                if info.engine != "dynserve":  # its series carry none of ours: the recording rules map them
+                    labels.update(worker_id=info.worker_id, role=info.role, model=info.model_id,
+                                  worker_engine=info.engine)
+                groups.append({"targets": [f"{host}:{info.metrics_port}"], "labels": labels})
     return groups
 
 

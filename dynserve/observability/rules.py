@@ -39,10 +39,40 @@ def _quantile_rules(record_prefix: str, metric: str, by: str) -> list[Rule]:
             for q in QUANTILES]
 
 
+# vLLM workers' own series as dynserve's worker series, so the dashboards, `dynctl top` and the planner read
+# them as they read a dynserve worker's. The gateway's scrape targets label a vLLM worker with its `worker_id`,
+# `role` and `model` (vLLM's series have none of them), which is what selects them here. vLLM reports KV
+# usage as a fraction of its cache, so a vLLM worker counts a capacity of one "block": ratios are exact,
+# block counts are not. Their rules come first in the group: the rules after them read what they record.
+_VLLM_AS_OURS = (
+    ("dynserve_worker_running_requests", "vllm:num_requests_running"),
+    ("dynserve_worker_waiting_requests", "vllm:num_requests_waiting"),
+    ("dynserve_worker_kv_blocks_used", "vllm:kv_cache_usage_perc"),
+    ("dynserve_worker_generated_tokens_total", "vllm:generation_tokens_total"),
+    ("dynserve_worker_step_prefill_tokens_sum", "vllm:prompt_tokens_total"),
+    ("dynserve_worker_prefix_cache_hit_tokens_total", "vllm:prefix_cache_hits_total"),
+    ("dynserve_worker_prefix_cache_queried_tokens_total", "vllm:prefix_cache_queries_total"),
+)
+_VLLM_HISTOGRAMS_AS_OURS = (
+    ("dynserve_worker_time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_bucket"),
+    ("dynserve_worker_inter_token_latency_seconds_bucket", "vllm:inter_token_latency_seconds_bucket"),
+)
+
+
+def _vllm_rules(worker: str) -> list[Rule]:
+    selected = '{worker_id!=""}'
+    rules = [Rule(ours, f"sum by ({worker}) ({theirs}{selected})") for ours, theirs in _VLLM_AS_OURS]
+    rules.append(Rule("dynserve_worker_kv_blocks_capacity",
+                      f"count by ({worker}) (vllm:kv_cache_usage_perc{selected})"))
+    rules += [Rule(ours, f"sum by (le, {worker}) ({theirs}{selected})") for ours, theirs in _VLLM_HISTOGRAMS_AS_OURS]
+    return rules
+
+
 def _rules() -> list[Rule]:
     w = WINDOW
     worker = "worker_id, role, model"
     rules = [
+        *_vllm_rules(worker),
         # ---- requests, at the gateway --------------------------------------------------------------------
         Rule("dynserve:requests:rate1m", f"sum(rate(dynserve_requests_total[{w}]))"),
         Rule("dynserve:requests_admitted:rate1m", f"sum(rate(dynserve_requests_admitted_total[{w}]))"),
