@@ -248,8 +248,9 @@ class OpenAIChannel:
             if final is None:
                 raise self._unavailable("the stream ended without a finish reason")
             yield msgspec.structs.replace(final, num_cached_tokens=state.num_cached)
-        except httpx.HTTPError as exc:
-            raise self._unavailable(f"the stream broke: {exc or type(exc).__name__}") from exc
+        except httpx.HTTPError as exc:  # out of picking until it answers /health again (the next load poll)
+            self._failed = f"a stream broke: {exc or type(exc).__name__}"
+            raise self._unavailable(self._failed) from exc
         finally:
             if self._streams.pop(request.request_id, None) is not None:
                 await response.aclose()
