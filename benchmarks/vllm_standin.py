@@ -9,9 +9,9 @@ same decoder; `make test-peers` runs the real one.
         [--prefill-ms-per-token 0.05] [--decode-ms 2] [--max-model-len 2048]
         [--eos-token-id 2]
 
-- `POST /v1/completions`, streamed, with the prompt as token ids and `return_token_ids`: each chunk carries
-  one token in `choices[0].token_ids`; the next token is a function of the whole context (so greedy
-  continuations are exact); `stop_token_ids`, the EOS (unless `ignore_eos`), `max_tokens`; a prompt over
+- `POST /v1/completions`, streamed, with the prompt as token ids (or text, read as its bytes): each chunk
+  carries one token in `choices[0].token_ids` and as text (`<id>`); the next token is a function of the
+  whole context (so greedy continuations are exact); `stop_token_ids`, the EOS (unless `ignore_eos`), `max_tokens`; a prompt over
   `max_model_len` is a 400 as vLLM words it; the usage chunk counts cached prompt tokens.
 - A prefix cache of `num_blocks` blocks (LRU): a prompt's uncached tokens cost `prefill_ms_per_token` each,
   one prefill at a time (so a queue forms); each decode step `decode_ms`. Full blocks of the prompt and the
@@ -144,7 +144,8 @@ class Standin:
             ("vllm:prefix_cache_hits_total", float(self.hits))))
 
     async def generate(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        prompt: list[int] = body["prompt"]
+        # a text prompt (as any OpenAI server takes it) is read as its UTF-8 bytes
+        prompt: list[int] = body["prompt"] if isinstance(body["prompt"], list) else list(body["prompt"].encode())
         max_tokens = int(body.get("max_tokens") or 16)
         stop_ids = set(body.get("stop_token_ids") or [])
         if not body.get("ignore_eos") and self.args.eos_token_id is not None:
@@ -209,10 +210,11 @@ def build_app(standin: Standin) -> FastAPI:
     async def completions(request: Request) -> Any:
         body = await request.json()
         prompt = body.get("prompt")
-        if not body.get("stream") or not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            return JSONResponse({"error": {"message": "the stand-in serves streamed token-id prompts only",
+        token_ids = isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+        if not body.get("stream") or not (token_ids or (isinstance(prompt, str) and prompt)):
+            return JSONResponse({"error": {"message": "the stand-in serves streamed prompts only",
                                            "type": "BadRequestError", "param": None, "code": 400}}, 400)
-        if len(prompt) + int(body.get("max_tokens") or 16) > standin.args.max_model_len:
+        if len(prompt if token_ids else prompt.encode()) + int(body.get("max_tokens") or 16) > standin.args.max_model_len:
             message = (f"This model's maximum context length is {standin.args.max_model_len} tokens. However, you "
                        f"requested {len(prompt) + int(body.get('max_tokens') or 16)} tokens.")
             return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": None,

@@ -315,6 +315,27 @@ def test_dynctl_profile_measures_a_vllm_worker_through_its_api(standin_gateway: 
     assert profile.prefill[1].ttft_s >= 512 * 0.05e-3 and 3e-3 <= profile.decode[0].itl_s < 30e-3
 
 
+def test_any_openai_server_serves_text_in_and_out_with_approximate_routing(
+        standin_gateway: tuple[str, list[Any]], dynctl: str, tokenizer: Any) -> None:
+    _url, servers = standin_gateway
+    server = next(s for s in servers if s.process.poll() is None)
+    command = [dynctl, "gateway", "--port", "0", "--router", "approximate", f"--worker-url=openai={server.url}"]
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        banner = wait_for_line(process, "dynserve gateway: serving", timeout_s=60)
+        assert "attached openai worker openai-0" in banner
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{banner_port(banner)}/v1", api_key="unused",
+                               max_retries=0, timeout=60)
+        answer = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=6)
+        # the server's own text; its token count re-encoded from that text by the gateway's tokenizer
+        assert re.fullmatch(r"(<\d+>){6}", answer.choices[0].text), answer.choices[0].text
+        assert answer.usage.completion_tokens == len(tokenizer.encode(answer.choices[0].text))
+        assert answer.usage.prompt_tokens == len(tokenizer.encode("Tell me"))
+    finally:
+        stop_by_sigint(process)
+
+
 def _running_total(server: Any) -> float:
     try:
         text = httpx.get(f"{server.url}/metrics", timeout=5).text
