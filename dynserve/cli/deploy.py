@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,15 @@ def add_kube_commands(sub: Any) -> None:
     spec.add_argument("--cpus", metavar="Q", help="CPUs each worker pod requests (2, 500m)")
     spec.add_argument("--memory", metavar="Q", help="memory each worker pod requests (8Gi)")
     spec.add_argument("--mocker", metavar="PROFILE", help="simulated workers with this timing profile (no model)")
+    spec.add_argument("--engine", choices=["dynserve", "vllm"], help="what the workers pool runs: dynserve's "
+                      "engine, or vllm: vLLM's OpenAI server (--vllm-image) beside a dynctl attach sidecar "
+                      "(aggregated only; the model: --model, a Hugging Face directory)")
+    spec.add_argument("--vllm-image", metavar="REPO:TAG[@sha256:D]", help="engine vllm: vLLM's image "
+                      "(e.g. vllm/vllm-openai:v0.10.2), pinned by a digest when given")
+    spec.add_argument("--vllm-args", metavar="'ARGS'", help="engine vllm: more flags for vLLM's server, as "
+                      "dynctl serve --vllm-args takes them (e.g. '--dtype bfloat16 --max-num-batched-tokens 8192')")
+    spec.add_argument("--vllm-block-size", type=int, metavar="N", help="engine vllm: tokens per KV block, a "
+                      "multiple of 16 (vLLM's CPU build: of 32)")
     spec.add_argument("--router", metavar="MODE", help="kv, approximate, round_robin, random, least_loaded")
     spec.add_argument("--transfer-backend", metavar="BACKEND", help="KV transfer: auto, nixl, tcp")
     spec.add_argument("--redis", action="store_true", help="a Redis event plane (the operator runs one)")
@@ -221,6 +231,7 @@ def _flag_spec(args: argparse.Namespace, file_pools: dict[str, Any]) -> dict[str
     pools = _merge(file_pools, layout)
     if layout:
         patch["pools"] = layout
+    _put_vllm(put, args, pools)
     for pool in [p for p in ("workers", "prefill", "decode") if pools.get(p) is not None] or ["workers"]:
         per_pool = {("resources", "limits", "nvidia.com/gpu"): args.gpus,
                     ("resources", "requests", "cpu"): args.cpus, ("resources", "requests", "memory"): args.memory,
@@ -229,6 +240,35 @@ def _flag_spec(args: argparse.Namespace, file_pools: dict[str, Any]) -> dict[str
             if value is not None:
                 put(("pools", pool, *path), value)
     return patch
+
+
+def _put_vllm(put: Any, args: argparse.Namespace, pools: dict[str, Any]) -> None:
+    """The engine flags onto the workers pool (`--engine` onto each pool: a disaggregated one refuses vLLM,
+    naming why); `--engine dynserve` drops the file's `vllm` block."""
+    if args.engine is not None:
+        for pool in [p for p in ("workers", "prefill", "decode") if pools.get(p) is not None] or ["workers"]:
+            put(("pools", pool, "engine"), args.engine)
+        if args.engine == "dynserve":
+            put("pools.workers.vllm", None)
+    given = {flag: value for flag, value in (("--vllm-image", args.vllm_image), ("--vllm-args", args.vllm_args),
+                                             ("--vllm-block-size", args.vllm_block_size)) if value is not None}
+    if not given:
+        return
+    if pools.get("workers") is None and (pools.get("prefill") is not None or pools.get("decode") is not None):
+        raise InvalidRequestError(f"{', '.join(given)}: vLLM runs only in the aggregated workers pool (--workers N); "
+                                  "a disaggregated pool moves KV pages between dynserve's own workers",
+                                  param="vllm_image")
+    if args.vllm_image is not None:
+        image, _, digest = args.vllm_image.partition("@")
+        put("pools.workers.vllm.image", image)
+        put("pools.workers.vllm.digest", digest or None)
+    if args.vllm_args is not None:
+        try:
+            put("pools.workers.vllm.args", shlex.split(args.vllm_args))
+        except ValueError as exc:
+            raise InvalidRequestError(f"--vllm-args: {exc}", param="vllm_args") from None
+    if args.vllm_block_size is not None:
+        put("pools.workers.vllm.blockSize", args.vllm_block_size)
 
 
 def _layout_patch(args: argparse.Namespace) -> dict[str, Any]:

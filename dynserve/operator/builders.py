@@ -4,7 +4,8 @@ What one deployment `NAME` becomes (all in its namespace, owned by it, labelled 
 `app.kubernetes.io/*` labels and `dynserve.io/deployment: NAME`):
 - ConfigMap `NAME-config`: the dynserve settings every pod reads (`DYN_*`, `config.py`'s names);
 - the head, Deployment `NAME-head` (one pod: a Ray head with 0 CPUs, so no worker lands there, and `dynctl
-  serve` on it: gateway, router, planner, and with the planner and no Prometheus given, a Prometheus) and
+  serve` on it: gateway, router, planner, and with the planner and no Prometheus given, a Prometheus; with a
+  vLLM pool `dynctl gateway`, following the attached vLLM servers, instead) and
   Service `NAME-head` (Ray's GCS port, for the worker pods to join); with `gateway.replicas` > 1, Deployment
   `NAME-gateway` of `dynctl gateway` pods joining the head's cluster; Service `NAME` is the OpenAI API over
   every gateway pod;
@@ -12,7 +13,8 @@ What one deployment `NAME` becomes (all in its namespace, owned by it, labelled 
   with the spec's replicas and afterwards owned by whoever scales it), Deployment `NAME-POOL` whose pods are
   Ray nodes offering the resource `dynserve_pool_ROLE` (one unit each: the head's pools follow the nodes
   offering it, one worker per pod), a PodDisruptionBudget; a headless Service `NAME-workers` for the
-  workers' metrics;
+  workers' metrics; a vLLM pool's pods instead run vLLM's server and a `dynctl attach` sidecar
+  (`vllm_pods.py`);
 - with the planner: ServiceAccount `NAME-head` and a Role and RoleBinding letting it scale the DynServePools;
 - with a bundled Redis event plane: Deployment and Service `NAME-redis`;
 - with `observability.serviceMonitor`: a ServiceMonitor for the gateway's and the workers' metrics;
@@ -38,6 +40,7 @@ from dynserve.operator.hardening import (
 from dynserve.operator.spec import (
     API_VERSION, GROUP, KIND, POOL_KIND, POOL_ROLES, DeploymentSpec, PoolSpec, Resources, Toleration,
 )
+from dynserve.operator.vllm_pods import VLLM_PORT_NAME, vllm_pod_spec
 
 __all__ = [
     "GATEWAY_PORT_NAME", "METRICS_PORT", "RAY_PORT", "build_children", "build_config", "build_head",
@@ -161,14 +164,20 @@ def _pod_spec(name: str, spec: DeploymentSpec, container: dict[str, Any], *, nod
             "securityContext": CONTAINER_SECURITY,
             "resources": container_resources(Resources(), cpu="500m", memory_bytes=512 * 2**20),
             "volumeMounts": [m for m in mounts if m["mountPath"] in ("/tmp", MODELS_DIR)]}]
+    if service_account is not None:
+        pod["serviceAccountName"] = service_account
+    return _placed(pod, spec, node_selector, tolerations)
+
+
+def _placed(pod: dict[str, Any], spec: DeploymentSpec, node_selector: dict[str, str],
+            tolerations: list[Toleration]) -> dict[str, Any]:
+    """`pod` with its node selector, tolerations and image pull secrets."""
     if node_selector:
         pod["nodeSelector"] = dict(node_selector)
     if tolerations:
         pod["tolerations"] = _tolerations(tolerations)
     if spec.image.pull_secrets:
         pod["imagePullSecrets"] = [{"name": secret} for secret in spec.image.pull_secrets]
-    if service_account is not None:
-        pod["serviceAccountName"] = service_account
     return pod
 
 
@@ -179,14 +188,15 @@ def build_head(name: str, namespace: str, spec: DeploymentSpec, uid: str | None 
     planner, its ServiceAccount, Role and RoleBinding."""
     port = spec.gateway.port
     ports = [{"name": GATEWAY_PORT_NAME, "containerPort": port}, {"name": "ray-gcs", "containerPort": RAY_PORT}]
+    serves_vllm = spec.pools.vllm is not None  # the gateway waits for the first vLLM server, however long it loads
     container = {
-        "name": "head", "command": pod_command("head"), "ports": ports,
+        "name": "head", "command": pod_command("head", serve=not serves_vllm), "ports": ports,
         "readinessProbe": {"httpGet": {"path": "/ready", "port": GATEWAY_PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": GATEWAY_PORT_NAME}, "periodSeconds": 10,
                           "failureThreshold": 6},
         # the model loads and the first workers join before the gateway answers
         "startupProbe": {"httpGet": {"path": "/health", "port": GATEWAY_PORT_NAME}, "periodSeconds": 5,
-                         "failureThreshold": 120},
+                         "failureThreshold": 360 if serves_vllm else 120},
         "resources": container_resources(spec.gateway.resources, cpu=DEFAULT_CPU["head"],
                                          memory_bytes=default_memory_bytes(spec, "head")),
     }
@@ -276,6 +286,13 @@ def build_pool_deployment(name: str, namespace: str, spec: DeploymentSpec, pool:
     component = f"pool-{pool}"
     selector = selector_labels(name, component)
     meta = _meta(name, namespace, component, spec, uid, pool_resource_name(name, pool), {POOL_LABEL: pool})
+    template_labels = {**meta["labels"], f"{GROUP}/worker": "true"}
+    if pool == "workers" and spec.pools.vllm is not None:
+        pod = _placed(vllm_pod_spec(name, spec, pool_spec.resources, image=image_of(spec)), spec,
+                      pool_spec.node_selector, pool_spec.tolerations)
+        return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+                "spec": {"replicas": replicas, "selector": {"matchLabels": selector},
+                         "template": {"metadata": {"labels": template_labels}, "spec": pod}}}
     container = {
         "name": "worker",
         "command": pod_command("worker", head_host=f"{name}-head", role=POOL_ROLES[pool],
@@ -291,7 +308,6 @@ def build_pool_deployment(name: str, namespace: str, spec: DeploymentSpec, pool:
         "resources": container_resources(pool_spec.resources, cpu=cpu_quantity(_ray_cpus(pool_spec)),
                                          memory_bytes=default_memory_bytes(spec, "worker")),
     }
-    template_labels = {**meta["labels"], f"{GROUP}/worker": "true"}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": replicas, "selector": {"matchLabels": selector},
                      "template": {"metadata": {"labels": template_labels},
@@ -310,11 +326,14 @@ def build_pool(name: str, namespace: str, spec: DeploymentSpec, pool: str, repli
 
 
 def _workers_service(name: str, namespace: str, spec: DeploymentSpec, uid: str | None) -> dict[str, Any]:
+    ports = [{"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]
+    if spec.pools.vllm is not None:  # vLLM serves its /metrics on its HTTP port
+        ports.append({"name": VLLM_PORT_NAME, "port": spec.pools.vllm.port, "targetPort": VLLM_PORT_NAME})
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _meta(name, namespace, "workers", spec, uid, f"{name}-workers",
                               {f"{GROUP}/metrics": "true"}),
             "spec": {"clusterIP": "None", "selector": {"app.kubernetes.io/instance": name, f"{GROUP}/worker": "true"},
-                     "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]}}
+                     "ports": ports}}
 
 
 # ---- optional parts --------------------------------------------------------------------------------------
@@ -344,11 +363,11 @@ def build_redis(name: str, namespace: str, spec: DeploymentSpec, uid: str | None
 
 def build_service_monitor(name: str, namespace: str, spec: DeploymentSpec, uid: str | None = None) -> dict[str, Any]:
     interval = f"{spec.observability.scrape_interval_seconds}s"
+    ports = [GATEWAY_PORT_NAME, "metrics"] + ([VLLM_PORT_NAME] if spec.pools.vllm is not None else [])
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": _meta(name, namespace, "metrics", spec, uid),
             "spec": {"selector": {"matchLabels": {"app.kubernetes.io/instance": name, f"{GROUP}/metrics": "true"}},
-                     "endpoints": [{"port": GATEWAY_PORT_NAME, "path": "/metrics", "interval": interval},
-                                   {"port": "metrics", "path": "/metrics", "interval": interval}]}}
+                     "endpoints": [{"port": port, "path": "/metrics", "interval": interval} for port in ports]}}
 
 
 def child_names(name: str, spec: DeploymentSpec) -> dict[str, str]:

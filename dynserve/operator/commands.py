@@ -1,6 +1,11 @@
 """What each pod of a deployment runs: its container command (`pod_command`: a Ray node, then the pod's one
 long-running process) and the variables it sets beside its ConfigMap (`pod_env`). These are the contract
 `tests/test_operator_pods.py` runs, unchanged, as processes on hosts made of network namespaces.
+
+A vLLM pool's pods run two containers: vLLM's OpenAI server (`vllm_command`, `vllm_args`: the flags
+`dynctl serve --engine vllm` gives it, `workers/vllm_worker.py:vllm_argv`, on the spec's ports) and a sidecar
+(`attach_command`) that waits for it to answer, then runs `dynctl attach` on it: the server on the fleet's
+registry under the pod's name, its KV events read on the pod's loopback and relayed to the event plane.
 """
 
 from __future__ import annotations
@@ -11,13 +16,18 @@ from typing import Any
 from urllib.parse import urlparse
 
 from dynserve.operator.hardening import OBJECT_STORE_BYTES, cache_env
-from dynserve.operator.spec import DeploymentSpec
+from dynserve.operator.spec import DeploymentSpec, VllmSpec
 
-__all__ = ["MODELS_DIR", "PRE_STOP", "RAY_PORT", "model_path", "pod_command", "pod_env", "pool_resource"]
+__all__ = [
+    "MODELS_DIR", "PRE_STOP", "RAY_PORT", "VLLM_COMMAND", "attach_command", "model_path", "pod_command", "pod_env",
+    "pool_resource", "vllm_args",
+]
 
 RAY_PORT = 6379
 MODELS_DIR = "/models"
 PRE_STOP = ["/bin/sh", "-c", "ray stop --grace-period 20"]
+# vLLM's OpenAI server as a module: the same in every vLLM image, whatever its entrypoint (`vllm serve` in newer ones)
+VLLM_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 
 
 def pool_resource(role: str) -> str:
@@ -32,15 +42,20 @@ def model_path(spec: DeploymentSpec) -> str | None:
     return spec.model.path
 
 
-def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: float = 1.0) -> list[str]:
+_RAY = f"ray start --node-ip-address=\"$POD_IP\" --object-store-memory={OBJECT_STORE_BYTES} --disable-usage-stats"
+
+
+def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: float = 1.0,
+                serve: bool = True) -> list[str]:
     """The container command of a head (`kind="head"`), a gateway-only (`"gateway"`) or a pool's worker pod
-    (`"worker"`): a shell that starts the pod's Ray node and then the pod's one long-running process. `$POD_IP` comes from the
-    pod's environment (the downward API)."""
-    ray = (f"ray start --node-ip-address=\"$POD_IP\" --object-store-memory={OBJECT_STORE_BYTES} "
-           "--disable-usage-stats")
+    (`"worker"`): a shell that starts the pod's Ray node and then the pod's one long-running process. `$POD_IP`
+    comes from the pod's environment (the downward API). `serve=False`: the head runs `dynctl gateway` instead
+    of `dynctl serve` (a vLLM pool: no pool of dynserve's workers to start, the attached servers to follow)."""
+    ray = _RAY
     if kind == "head":
+        command = "serve" if serve else "gateway"
         script = (f"{ray} --head --port={RAY_PORT} --num-cpus=0 --include-dashboard=false && "
-                  f"exec dynctl serve --ray-address=\"$POD_IP:{RAY_PORT}\"")
+                  f"exec dynctl {command} --ray-address=\"$POD_IP:{RAY_PORT}\"")
     elif kind == "gateway":  # a Ray driver needs a node of its own: one with no CPUs, where nothing is placed
         script = (f"{ray} --address={head_host}:{RAY_PORT} --num-cpus=0 && "
                   f"exec dynctl gateway --ray-address={head_host}:{RAY_PORT}")
@@ -48,6 +63,43 @@ def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: flo
         resources = json.dumps({pool_resource(role): 1}, separators=(",", ":"))
         script = (f"exec {ray} --address={head_host}:{RAY_PORT} --num-cpus={ray_cpus:g} "
                   f"--resources='{resources}' --block")
+    return ["/bin/sh", "-c", script]
+
+
+def vllm_args(spec: DeploymentSpec, vllm: VllmSpec) -> list[str]:
+    """vLLM's server flags: the model (`model.path`, served under its directory's name, as the gateways name
+    it), every interface at `vllm.port`, prefix caching and the KV-event publisher on (the wildcard endpoint
+    vLLM binds; the replay socket on loopback), the spec's context and batch limits, then `vllm.args`."""
+    path = model_path(spec)
+    assert path is not None, "parse_deployment requires model.path with a vLLM pool"
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{vllm.events_port}",
+              "replay_endpoint": f"tcp://127.0.0.1:{vllm.replay_port}"}
+    args = ["--model", path, "--served-model-name", posixpath.basename(path.rstrip("/")), "--host", "0.0.0.0",
+            "--port", str(vllm.port), "--block-size", str(vllm.block_size), "--enable-prefix-caching",
+            "--kv-events-config", json.dumps(events, separators=(",", ":"))]
+    if spec.engine.max_model_len is not None:
+        args += ["--max-model-len", str(spec.engine.max_model_len)]
+    if spec.engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(spec.engine.max_num_seqs)]
+    return args + list(vllm.args)
+
+
+def attach_command(spec: DeploymentSpec, vllm: VllmSpec, *, head_host: str) -> list[str]:
+    """The vLLM pod's sidecar: wait until the pod's vLLM answers `/health`, then `dynctl attach` it under the
+    pod's name (`$POD_NAME`), reached by the gateways at the pod's IP, its events and replay socket on loopback.
+    The fleet's registry is its Redis (`DYN_REDIS_URL` from the ConfigMap) or its Ray cluster, which a Ray
+    driver joins through a node of its own: one without CPUs, where nothing is placed (as a gateway-only pod's)."""
+    health = f"http://127.0.0.1:{vllm.port}/health"
+    wait = (f"until python -c 'import urllib.request; urllib.request.urlopen(\"{health}\", timeout=2)' "
+            "2>/dev/null; do sleep 2; done")
+    worker_url = (f"vllm=http://$POD_IP:{vllm.port};events=tcp://127.0.0.1:{vllm.events_port};"
+                  f"replay=tcp://127.0.0.1:{vllm.replay_port};id=$POD_NAME")
+    attach = f"exec dynctl attach --worker-url \"{worker_url}\" --block-size {vllm.block_size}"
+    if spec.event_plane.backend == "redis":
+        script = f"{wait} && {attach}"
+    else:
+        address = f"{head_host}:{RAY_PORT}"
+        script = f"{wait} && {_RAY} --address={address} --num-cpus=0 && {attach} --ray-address={address}"
     return ["/bin/sh", "-c", script]
 
 

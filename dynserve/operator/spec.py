@@ -5,16 +5,21 @@ Field names are the resource's (camelCase on the wire, snake_case in Python). In
 keeps (`parse_deployment` raises InvalidRequestError naming the field otherwise):
 - `pools` is either aggregated (`workers` only) or disaggregated (`prefill` and `decode`, no `workers`);
 - each pool has `minReplicas <= replicas <= maxReplicas`;
+- a pool's `engine` is dynserve's unless it is the aggregated `workers` pool, which may run vLLM's OpenAI server
+  (`engine: vllm` with a `vllm` block naming its image, and no `vllm` block otherwise); a deployment with a vLLM
+  pool names `model.path` (a Hugging Face directory vLLM loads and the gateways tokenize with), runs no
+  mocker and no planner (`dynctl serve`, where the planner runs, does not serve a pool of vLLM pods);
 - `model` gives at most one of `path` and `uri`; `env` sets only `DYN_*` variables that name a setting and
   none the operator sets itself.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from dynserve.config import Settings
@@ -22,7 +27,7 @@ from dynserve.errors import InvalidRequestError
 
 __all__ = [
     "API_VERSION", "GROUP", "KIND", "POOL_KIND", "POOL_ROLES", "RUN_AS_UID", "VERSION", "DeploymentSpec",
-    "PoolSpec", "PoolResourceSpec", "SecuritySpec", "parse_deployment", "parse_pool",
+    "PoolSpec", "PoolResourceSpec", "SecuritySpec", "VllmSpec", "WorkersPoolSpec", "parse_deployment", "parse_pool",
 ]
 
 GROUP, VERSION = "dynserve.io", "v1alpha1"
@@ -41,6 +46,10 @@ OPERATOR_ENV = frozenset({
     "DYN_REDIS_URL", "DYN_ROUTER", "DYN_TRANSFER_BACKEND", "DYN_PLANNER", "DYN_PROMETHEUS", "DYN_PROMETHEUS_URL",
     "DYN_WORKER_METRICS_PORT", "DYN_NAMESPACE", "DYN_MOCKER", "DYN_CLUSTER_TOKEN",
 })
+# vLLM's server flags the operator sets from the spec (`vllm.args` may not repeat them; vLLM reads `_` as `-`)
+VLLM_OPERATOR_FLAGS = ("model", "served-model-name", "host", "port", "block-size", "kv-events-config")
+_VLLM_FLAG_PATTERN = "^--(" + "|".join(f.replace("-", "[-_]") for f in VLLM_OPERATOR_FLAGS) + ")(=|$)"
+_DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 
 
 class _Model(BaseModel):
@@ -81,7 +90,7 @@ class ModelSource(_Model):
 class ImageSpec(_Model):
     repository: str = Field(DEFAULT_IMAGE, min_length=1, description="the dynserve image (deploy/docker)")
     tag: str | None = Field(None, description="default: the operator's own version")
-    digest: str | None = Field(None, pattern=r"^sha256:[0-9a-f]{64}$", description="pin the image by its "
+    digest: str | None = Field(None, pattern=_DIGEST_PATTERN, description="pin the image by its "
                                "digest (sha256:...): the pods run exactly it, whatever the tag points to later")
     pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
         "Always", description="Always: each pod start checks the registry with its own pull secret (layers "
@@ -121,15 +130,28 @@ class GatewaySpec(_Model):
 
 
 class PoolSpec(_Model):
+    """A pool of dynserve's engine workers (`prefill` and `decode` are always: `WorkersPoolSpec` may run vLLM)."""
+
     replicas: int = Field(1, ge=0, description="worker pods (one worker each); the planner, an HPA or "
                           "`kubectl scale dynservepool` change it at run time")
     min_replicas: int = Field(0, ge=0, description="the planner's lower bound")
     max_replicas: int = Field(8, ge=1, description="the planner's upper bound")
-    resources: Resources = Field(default_factory=Resources)
+    engine: Literal["dynserve"] = Field("dynserve", description="dynserve's engine: a disaggregated pool moves KV "
+                                        "pages between dynserve's own workers (only the workers pool runs vLLM)")
+    resources: Resources = Field(default_factory=Resources, description="each worker container's (GPUs: "
+                                 "limits nvidia.com/gpu)")
     ray_cpus: float | None = Field(None, gt=0, description="CPUs the pod's Ray node offers; default: its CPU "
-                                   "request, else 1")
+                                   "request, else 1 (dynserve's engine only)")
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Toleration] = Field(default_factory=list)
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_of_this_pool(cls, engine: Any) -> Any:
+        if engine == "vllm" and "vllm" not in cls.model_fields:
+            raise ValueError("vLLM serves whole requests: only the aggregated workers pool runs it (a "
+                             "disaggregated pool moves KV pages between dynserve's own workers)")
+        return engine
 
     @model_validator(mode="after")
     def _bounds(self) -> PoolSpec:
@@ -139,8 +161,80 @@ class PoolSpec(_Model):
         return self
 
 
+class VllmSpec(_Model):
+    """How a vLLM pool's pods run vLLM's OpenAI server (`python3 -m vllm.entrypoints.openai.api_server`): the
+    image, the ports, the KV block size; the model is `model.path`, the GPUs the pool's `resources`."""
+
+    image: str = Field(min_length=1, max_length=512, pattern=r"^[^\s@]+$", description="vLLM's image and tag, "
+                       "e.g. vllm/vllm-openai:v0.10.2 (CUDA) or a vLLM CPU build's")
+    digest: str | None = Field(None, pattern=_DIGEST_PATTERN, description="pin vLLM's image by its digest "
+                               "(sha256:...)")
+    args: list[Annotated[str, Field(min_length=1, max_length=512)]] = Field(
+        default_factory=list, max_length=32, description="more flags for vLLM's server (e.g. --dtype bfloat16, "
+        "--tensor-parallel-size 2, --gpu-memory-utilization 0.9); not those the operator sets: --model, "
+        "--served-model-name, --host, --port, --block-size, --kv-events-config",
+        json_schema_extra={"x-kubernetes-validations": [{
+            "rule": f"self.all(a, !a.matches('{_VLLM_FLAG_PATTERN}'))",
+            "message": "a flag the operator sets from the spec (model.path, vllm.port, vllm.blockSize)"}]})
+    port: int = Field(8000, ge=1, le=65535, description="vLLM's HTTP port (the OpenAI API, /health, /metrics)")
+    events_port: int = Field(5557, ge=1, le=65535, description="vLLM's KV-event publisher (ZMQ PUB, every "
+                             "interface: vLLM binds a wildcard endpoint)")
+    replay_port: int = Field(5558, ge=1, le=65535, description="vLLM's KV-event replay socket (loopback: the "
+                             "pod's attach sidecar alone reads it)")
+    block_size: int = Field(16, ge=16, le=256, multiple_of=16, description="tokens per KV block: a multiple of "
+                            "16 (vLLM's CPU build needs a multiple of 32)")
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "self.port != self.eventsPort && self.port != self.replayPort && self.eventsPort != self.replayPort",
+        "message": "port, eventsPort and replayPort must differ"}]})
+
+    @field_validator("args")
+    @classmethod
+    def _args_leave_the_operators_flags(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            if re.match(_VLLM_FLAG_PATTERN, arg):
+                raise ValueError(f"{arg}: the operator sets it from the spec (model.path, vllm.port, "
+                                 "vllm.blockSize)")
+        return args
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> VllmSpec:
+        if len({self.port, self.events_port, self.replay_port}) < 3:
+            raise ValueError("port, eventsPort and replayPort must differ")
+        return self
+
+
+# the CRD's own check of a workers pool's engine (its `oneOf`, in values.schema.json too): engine dynserve and no
+# vllm block, or engine vllm with one
+_ENGINE_AND_BLOCK = [{"properties": {"engine": {"enum": ["dynserve"]}}, "not": {"required": ["vllm"]}},
+                     {"required": ["engine", "vllm"], "properties": {"engine": {"enum": ["vllm"]}}}]
+
+
+class WorkersPoolSpec(PoolSpec):
+    """The aggregated pool: dynserve's engine workers, or vLLM's OpenAI servers (`engine: vllm`)."""
+
+    engine: Literal["dynserve", "vllm"] = Field(  # type: ignore[assignment]
+        "dynserve", description="what each pod runs: dynserve's engine (a Ray node the head's pool places a "
+        "worker on), or vllm: vLLM's OpenAI server (`vllm`) beside a `dynctl attach` sidecar that puts it on "
+        "the fleet's registry and relays its KV events")
+    vllm: VllmSpec | None = Field(None, description="engine vllm: its image, flags, ports and block size")
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": _ENGINE_AND_BLOCK, "x-kubernetes-validations": [{
+        "rule": "(has(self.engine) && self.engine == 'vllm') == has(self.vllm)",
+        "message": "engine vllm needs a vllm block (its image), and a vllm block needs engine vllm"}]})
+
+    @model_validator(mode="after")
+    def _vllm_block_with_its_engine(self) -> WorkersPoolSpec:
+        if self.engine == "vllm" and self.vllm is None:
+            raise ValueError("engine vllm needs vllm.image: the vLLM image its pods run")
+        if self.engine != "vllm" and self.vllm is not None:
+            raise ValueError("a vllm block needs engine: vllm (this pool runs dynserve's engine)")
+        return self
+
+
 class Pools(_Model):
-    workers: PoolSpec | None = Field(None, description="aggregated serving: workers that prefill and decode")
+    workers: WorkersPoolSpec | None = Field(None, description="aggregated serving: workers that prefill and "
+                                            "decode (dynserve's engine or vLLM)")
     prefill: PoolSpec | None = Field(None, description="disaggregated serving: prefill workers")
     decode: PoolSpec | None = Field(None, description="disaggregated serving: decode workers")
 
@@ -154,6 +248,11 @@ class Pools(_Model):
     def items(self) -> list[tuple[str, PoolSpec]]:
         """(pool name, spec) of the pools given, in a fixed order."""
         return [(name, spec) for name in POOL_ROLES if (spec := getattr(self, name)) is not None]
+
+    @property
+    def vllm(self) -> VllmSpec | None:
+        """The workers pool's `vllm` block when it runs vLLM (only that pool may)."""
+        return self.workers.vllm if self.workers is not None and self.workers.engine == "vllm" else None
 
 
 class EngineSpec(_Model):
@@ -257,11 +356,15 @@ class EnvVar(_Model):
     value: str
 
 
+_HAS_VLLM_POOL = ("has(self.pools) && has(self.pools.workers) && has(self.pools.workers.engine) && "
+                  "self.pools.workers.engine == 'vllm'")
+
+
 class DeploymentSpec(_Model):
     model: ModelSource = Field(default_factory=ModelSource)
     image: ImageSpec = Field(default_factory=ImageSpec)
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
-    pools: Pools = Field(default_factory=lambda: Pools(workers=PoolSpec()))
+    pools: Pools = Field(default_factory=lambda: Pools(workers=WorkersPoolSpec()))
     engine: EngineSpec = Field(default_factory=EngineSpec)
     router: RouterSpec = Field(default_factory=RouterSpec)
     transfer: TransferSpec = Field(default_factory=TransferSpec)
@@ -274,6 +377,42 @@ class DeploymentSpec(_Model):
     env: list[EnvVar] = Field(default_factory=list, description="more dynserve settings for every pod, as "
                               "DYN_* variables")
     security: SecuritySpec = Field(default_factory=SecuritySpec)
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        {"rule": f"!({_HAS_VLLM_POOL}) || has(self.model) && has(self.model.path)",
+         "message": "a vLLM pool needs model.path: a Hugging Face directory vLLM loads and the gateways tokenize with"},
+        {"rule": f"!({_HAS_VLLM_POOL}) || !has(self.planner) || !has(self.planner.enabled) || !self.planner.enabled",
+         "message": "the planner runs in dynctl serve, which does not serve a pool of vLLM pods: scale its "
+                    "DynServePool (kubectl scale, an HPA)"},
+        {"rule": f"!({_HAS_VLLM_POOL}) || !has(self.engine) || !has(self.engine.mocker)",
+         "message": "engine.mocker simulates dynserve's engine, not vLLM"}]})
+
+    @field_validator("pools")
+    @classmethod
+    def _vllm_pool_has_its_model(cls, pools: Pools, info: ValidationInfo) -> Pools:
+        model = info.data.get("model")
+        if pools.vllm is not None and model is not None and not model.path:
+            raise ValueError("a vLLM pool needs model.path: a Hugging Face directory vLLM loads and the gateways "
+                             "tokenize with (on model.volume, mounted at /models in every pod); model.uri and the "
+                             "bundled model are dynserve's engine's")
+        return pools
+
+    @field_validator("engine")
+    @classmethod
+    def _no_mocker_for_vllm(cls, engine: EngineSpec, info: ValidationInfo) -> EngineSpec:
+        pools = info.data.get("pools")
+        if pools is not None and pools.vllm is not None and engine.mocker is not None:
+            raise ValueError("engine.mocker simulates dynserve's engine, not vLLM")
+        return engine
+
+    @field_validator("planner")
+    @classmethod
+    def _no_planner_for_vllm(cls, planner: PlannerSpec, info: ValidationInfo) -> PlannerSpec:
+        pools = info.data.get("pools")
+        if pools is not None and pools.vllm is not None and planner.enabled:
+            raise ValueError("the planner runs in dynctl serve, which does not serve a pool of vLLM pods yet: "
+                             "scale its DynServePool (kubectl scale, an HPA) instead")
+        return planner
 
     @field_validator("env")
     @classmethod
