@@ -86,7 +86,8 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str) -> dict[s
     summary.update(num_retries=num_retries, wall_s=time.monotonic() - start_s)
     log(f"{name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms, cache hit "
         f"{summary['cache_hit']:.2f}, history hit {summary['history_hit']}, {summary['turns']} turns in "
-        f"{summary['wall_s']:.0f} s")
+        f"{summary['wall_s']:.0f} s; TTFT p50 by turn (ms): "
+        + ", ".join(f"{t:.0f}" for t in summary["ttft_p50_ms_by_turn"]))
     return summary
 
 
@@ -98,12 +99,11 @@ async def _ttfts_c1(port: int, model: str, num: int) -> list[float]:
                     "temperature": 0, "stream": True}
             start_s = time.perf_counter()
             async with client.stream("POST", "/v1/completions", json=body) as response:
+                first = True
                 async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
+                    if first and line.startswith("data: {"):
                         out.append(1000 * (time.perf_counter() - start_s))
-                        break
-                async for _ in response.aiter_lines():
-                    pass
+                        first = False
     return out
 
 

@@ -19,7 +19,7 @@ Disaggregation is not offered: a prefill-only or remote-prefill request is refus
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -39,6 +39,7 @@ from dynserve.protocol import (
     WorkerInfo,
     WorkerLoad,
 )
+from dynserve.workers.http_client import HttpPool, Response
 
 if TYPE_CHECKING:
     import httpx
@@ -46,6 +47,9 @@ if TYPE_CHECKING:
     from dynserve.model.tokenizer import Tokenizer
 
 __all__ = ["OpenAIChannel", "completion_body", "parse_load", "token_logprobs"]
+
+_JSON = msgspec.json.Encoder()
+_CHUNK = msgspec.json.Decoder()
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +125,9 @@ class OpenAIChannel:
         host = f"[{info.host}]" if ":" in info.host else info.host
         self.base_url = f"http://{host}:{info.port}"
         self._timeout_s = timeout_s
-        self._client: httpx.AsyncClient | None = None
-        self._streams: dict[str, Any] = {}  # request id -> its open response
+        self._client: httpx.AsyncClient | None = None  # health, metrics (the cold path)
+        self._pool = HttpPool(info.host, info.port)  # completions (the hot path)
+        self._streams: dict[str, Response] = {}  # request id -> its open response
         self._failed: str | None = "not connected"
         self._has_metrics = info.engine == "vllm"
 
@@ -165,7 +170,9 @@ class OpenAIChannel:
     async def close(self) -> None:
         self._failed = self._failed or "closed by client"
         for response in list(self._streams.values()):
-            await response.aclose()
+            response.close()
+        self._streams.clear()
+        self._pool.close()
         if self._client is not None:
             await self._client.aclose()
             self._client = None
@@ -197,7 +204,7 @@ class OpenAIChannel:
     def abort(self, request_id: str) -> None:
         response = self._streams.pop(request_id, None)
         if response is not None:  # closing the response closes the connection: the server aborts the request
-            asyncio.ensure_future(response.aclose())
+            response.close()
 
     def release(self, request_id: str) -> None:
         """Nothing to release: no prefill is held for another worker."""
@@ -205,37 +212,34 @@ class OpenAIChannel:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Stream `request` from the server (see the module's docstring); closing the iterator early aborts
         it there."""
-        import httpx
-
         if request.prefill_only or request.remote_prefill is not None:
             raise InvalidRequestError(f"worker {self.worker_id} ({self.info.engine}) does not serve disaggregated "
                                       "requests", param=None)
-        if self._client is None or self._failed is not None:
-            raise self._unavailable(self._failed or "not connected")
+        if self._failed is not None:
+            raise self._unavailable(self._failed)
         if request.request_id in self._streams:
             raise InvalidRequestError(f"request id {request.request_id!r} is already streaming", param="request_id")
         tokens_out = self.info.engine == "vllm"
         prompt: list[int] | str = request.token_ids if tokens_out else self.tokenizer.decode(
             request.token_ids, skip_special_tokens=False)
-        body = completion_body(self.info, request, prompt)
+        body = _JSON.encode(completion_body(self.info, request, prompt))
         try:
-            response = await self._client.send(self._client.build_request("POST", "/v1/completions", json=body),
-                                               stream=True)
-        except httpx.HTTPError as exc:
-            self._failed = str(exc) or type(exc).__name__
-            raise self._unavailable(f"request failed: {self._failed}") from exc
+            response = await self._pool.request("POST", "/v1/completions", body)
+        except ConnectionError as exc:
+            self._failed = str(exc)
+            raise self._unavailable(f"request failed: {exc}") from exc
         self._streams[request.request_id] = response
         try:
-            if response.status_code != 200:
+            if response.status != 200:
                 await self._refuse(response)
             state = _StreamState(request, self.tokenizer, tokens_out)
             final: TokenDelta | None = None  # held for the usage chunk that follows it
-            async for line in response.aiter_lines():
-                if line == "data: [DONE]":
-                    break
-                if not line.startswith("data: "):
+            async for line in response.lines():
+                if not line.startswith(b"data: "):
                     continue
-                delta = state.chunk(json.loads(line[6:]))
+                if line == b"data: [DONE]":
+                    break
+                delta = state.chunk(_CHUNK.decode(line[6:]))
                 if delta is None:
                     continue
                 if not delta.finished:
@@ -248,26 +252,24 @@ class OpenAIChannel:
             if final is None:
                 raise self._unavailable("the stream ended without a finish reason")
             yield msgspec.structs.replace(final, num_cached_tokens=state.num_cached)
-        except httpx.HTTPError as exc:  # out of picking until it answers /health again (the next load poll)
-            self._failed = f"a stream broke: {exc or type(exc).__name__}"
+        except (ConnectionError, msgspec.DecodeError) as exc:  # out of picking until it answers /health again
+            self._failed = f"a stream broke: {exc}"
             raise self._unavailable(self._failed) from exc
         finally:
             if self._streams.pop(request.request_id, None) is not None:
-                await response.aclose()
+                response.close()
 
-    async def _refuse(self, response: Any) -> None:
+    async def _refuse(self, response: Response) -> None:
         """Raise for a non-200 answer: the server's 4xx as an invalid request (its message), else unavailable."""
-        await response.aread()
-        param = None
-        try:
-            error = response.json().get("error") or {}
+        text = (await response.read()).decode(errors="replace")
+        param, message = None, text[:300]
+        with contextlib.suppress(ValueError, AttributeError):
+            error = json.loads(text).get("error") or {}
             message = error.get("message") if isinstance(error, dict) else str(error)
             param = error.get("param") if isinstance(error, dict) else None
-        except ValueError:
-            message = response.text[:300]
-        if 400 <= response.status_code < 500 and response.status_code not in (408, 429):
+        if 400 <= response.status < 500 and response.status not in (408, 429):
             raise InvalidRequestError(f"{self.info.engine} refused the request: {message}", param=param)
-        raise self._unavailable(f"answered {response.status_code}: {message}")
+        raise self._unavailable(f"answered {response.status}: {message}")
 
 
 class _StreamState:

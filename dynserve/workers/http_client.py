@@ -1,0 +1,163 @@
+"""A small HTTP/1.1 client for the gateway's hot path to OpenAI-server workers (`openai_channel.py`): requests
+over keep-alive connections held in a pool per server, responses parsed by httptools (the gateway's own
+server's parser), streamed bodies read as they arrive, chunked or not. It does what a streamed completion
+needs and no more (no redirects, TLS, cookies, proxies); general HTTP clients cost milliseconds per request
+in Python that a gateway in front of a worker cannot spend.
+
+Invariants: a connection goes back to the pool only after its response was read to the end and the server
+kept it alive; a response closed early (an aborted stream) closes its connection, which is how the server
+learns of the abort. Every failure to connect, send or read is a `ConnectionError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections import deque
+from collections.abc import AsyncIterator
+
+import httptools
+
+__all__ = ["HttpPool", "Response"]
+
+
+class _Message:
+    """httptools' callbacks for one response."""
+
+    def __init__(self) -> None:
+        self.headers: dict[bytes, bytes] = {}
+        self.body: deque[bytes] = deque()
+        self.headers_done = self.done = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+class _Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Response:
+    """A response whose head has arrived; read its body with `chunks`, `lines` or `read`, or `close` it."""
+
+    def __init__(self, pool: HttpPool, conn: _Connection, message: _Message, parser: httptools.HttpResponseParser,
+                 status: int) -> None:
+        self._pool, self._conn, self._message, self._parser = pool, conn, message, parser
+        self.status, self.headers = status, message.headers
+        self._closed = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        message = self._message
+        while True:
+            while message.body:
+                yield message.body.popleft()
+            if message.done:
+                self._release()
+                return
+            await self._pool._fill(self._conn, self._parser)
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """The body's lines, without their line ends (an SSE stream's `data: ...` lines and blank lines)."""
+        pending = b""
+        async for chunk in self.chunks():
+            pending += chunk
+            *complete, pending = pending.split(b"\n")
+            for line in complete:
+                yield line.rstrip(b"\r")
+        if pending:
+            yield pending
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    def _release(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._parser.should_keep_alive() and len(self._pool._idle) < self._pool._max_idle:
+            self._pool._idle.append(self._conn)
+        else:
+            self._conn.close()
+
+    def close(self) -> None:
+        """Done with it: a response not read to the end takes its connection down (the server sees it go)."""
+        if not self._closed:
+            self._closed = True
+            self._conn.close()
+
+
+class HttpPool:
+    """Keep-alive connections to one server (host, port). One asyncio loop only."""
+
+    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 5.0, max_idle: int = 64) -> None:
+        self.host, self.port = host, port
+        self._connect_timeout_s, self._max_idle = connect_timeout_s, max_idle
+        self._idle: deque[_Connection] = deque()
+        self._authority = f"{host}:{port}".encode() if ":" not in host else f"[{host}]:{port}".encode()
+
+    async def _open(self) -> _Connection:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port),
+                                                    self._connect_timeout_s)
+        except (OSError, TimeoutError) as exc:
+            raise ConnectionError(f"cannot connect to {self.host}:{self.port}: {exc or type(exc).__name__}") from exc
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return _Connection(reader, writer)
+
+    async def _fill(self, conn: _Connection, parser: httptools.HttpResponseParser) -> None:
+        try:
+            data = await conn.reader.read(65536)
+        except OSError as exc:
+            conn.close()
+            raise ConnectionError(f"{self.host}:{self.port}: {exc}") from exc
+        if not data:
+            conn.close()
+            raise ConnectionError(f"{self.host}:{self.port} closed the connection mid-response")
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            conn.close()
+            raise ConnectionError(f"{self.host}:{self.port} sent malformed HTTP: {exc}") from exc
+
+    async def request(self, method: str, path: str, body: bytes = b"",
+                      content_type: bytes = b"application/json") -> Response:
+        """Send a request and return its response once the head has arrived. A kept-alive connection that the
+        server closed meanwhile is dropped and the request sent once more on a new one."""
+        head = (b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+                % (method.encode(), path.encode(), self._authority, content_type, len(body)))
+        for attempt in range(2):
+            reused = bool(self._idle)
+            conn = self._idle.pop() if reused else await self._open()
+            message = _Message()
+            parser = httptools.HttpResponseParser(message)
+            try:
+                conn.writer.write(head + body)
+                while not message.headers_done:
+                    await self._fill(conn, parser)
+            except ConnectionError:
+                if reused and attempt == 0:  # a stale keep-alive connection: nothing reached the server
+                    continue
+                raise
+            return Response(self, conn, message, parser, parser.get_status_code())
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        while self._idle:
+            with contextlib.suppress(Exception):
+                self._idle.pop().close()
