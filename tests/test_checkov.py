@@ -1,7 +1,7 @@
 """The manifests as a platform team's security review sees them: checkov's Kubernetes checks, offline, on what
-`dynctl deploy --dry-run --render` prints for the README's example and for a fuller deployment (a model
-fetched by URI, the planner, gateway-only pods, a bundled Redis, Secrets, a pinned digest), and on the Helm
-chart's default render. Each workload (a Deployment, with the checks on its pods) fails at most 2 checks, each
+`dynctl deploy --dry-run --render` prints for the README's example, for a fuller deployment (a model
+fetched by URI, the planner, gateway-only pods, a bundled Redis, Secrets, a pinned digest) and for the README's
+vLLM pool, and on the Helm chart's default render. Each workload (a Deployment, with the checks on its pods) fails at most 2 checks, each
 one listed in the README's security section with the reason it stays; nothing else fails at all.
 
 checkov runs once for the whole file, in a subprocess (its import sets up logging of its own), over one
@@ -25,6 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 DYNCTL = str(Path(sys.executable).parent / "dynctl")
 README_YAML = re.search(r"```yaml\n# tiny\.yaml\n(.*?)```", (REPO / "README.md").read_text(),
                         re.DOTALL).group(1)  # type: ignore[union-attr]
+VLLM_YAML = re.search(r"```yaml\n# qwen\.yaml\n(.*?)```", (REPO / "README.md").read_text(),
+                      re.DOTALL).group(1)  # type: ignore[union-attr]
 FULL = {
     "apiVersion": "dynserve.io/v1alpha1", "kind": "DynServeDeployment", "metadata": {"name": "llama"},
     "spec": {
@@ -61,9 +63,11 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, set[st
     root = tmp_path_factory.mktemp("renders")
     (root / "readme.in.yaml").write_text(README_YAML)
     (root / "full.in.yaml").write_text(yaml.safe_dump(FULL))
+    (root / "vllm.in.yaml").write_text(VLLM_YAML)
     # a namespace of its own, as deployments get (the `default` namespace is a finding of its own: CKV_K8S_21)
     renders = {"readme": _dynctl_render(root / "readme.in.yaml", "ml"),
-               "full": _dynctl_render(root / "full.in.yaml", "serving")}
+               "full": _dynctl_render(root / "full.in.yaml", "serving"),
+               "vllm": _dynctl_render(root / "vllm.in.yaml", "inference")}
     (root / "out").mkdir()
     with helm_python.Chart.load(REPO / "deploy" / "helm" / "dynserve") as chart:
         manifests = chart.render({}, name="serve", namespace="dynserve-system")
@@ -78,8 +82,8 @@ def scan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, set[st
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["passed"] > 100, "checkov checked next to nothing"
     by_render: dict[str, dict[str, set[str]]] = {"readme": defaultdict(set), "full": defaultdict(set),
-                                                 "chart": defaultdict(set)}
-    namespaces = {"ml": "readme", "serving": "full", "dynserve-system": "chart"}
+                                                 "vllm": defaultdict(set), "chart": defaultdict(set)}
+    namespaces = {"ml": "readme", "serving": "full", "inference": "vllm", "dynserve-system": "chart"}
     for check_id, resource in report["failed"]:
         kind, namespace, name = resource.split(".")[:3]
         # a graph check on a pod (no NetworkPolicy) counts against its Deployment
@@ -95,7 +99,7 @@ def _readme_exceptions() -> dict[str, str]:
                            re.MULTILINE))
 
 
-@pytest.mark.parametrize("render", ["readme", "full", "chart"])
+@pytest.mark.parametrize("render", ["readme", "full", "vllm", "chart"])
 def test_each_workload_fails_at_most_two_checks_and_nothing_else_fails(
         scan: dict[str, dict[str, set[str]]], render: str) -> None:
     failed = scan[render]
@@ -114,6 +118,12 @@ def test_every_check_that_still_fails_is_named_in_the_readme_with_its_reason(
 def test_the_readmes_example_fails_only_for_an_unpinned_digest(scan: dict[str, dict[str, set[str]]]) -> None:
     """Hardened by default: what the installer does not give (a digest) is the one finding."""
     assert dict(scan["readme"]) == {f"Deployment/ml/tiny-{w}": {"CKV_K8S_43"} for w in ("head", "prefill", "decode")}
+
+
+def test_a_vllm_pool_fails_only_for_unpinned_digests_and_its_sidecars_liveness(
+        scan: dict[str, dict[str, set[str]]]) -> None:
+    assert dict(scan["vllm"]) == {"Deployment/inference/qwen-head": {"CKV_K8S_43"},
+                                  "Deployment/inference/qwen-workers": {"CKV_K8S_43", "CKV_K8S_8"}}
 
 
 def test_checkovs_requirements_leave_every_pin_of_requirements_txt_alone() -> None:

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from dynserve.cli import deploy as deploy_cli
+from dynserve.errors import InvalidRequestError
 from dynserve.operator.kube import KubeClient
 from dynserve.operator.reconcile import invalid_status
 from dynserve.operator.spec import API_VERSION, KIND
@@ -35,6 +36,9 @@ _DOC = deploy_cli.__doc__ or ""
 EXAMPLE_YAML = re.search(r"# tiny\.yaml\n(.*?)\n\n", _DOC, re.DOTALL).group(1)  # type: ignore[union-attr]
 README_YAML = re.search(r"```yaml\n# tiny\.yaml\n(.*?)```", (Path(__file__).parents[1] / "README.md").read_text(),
                         re.DOTALL).group(1)  # type: ignore[union-attr]
+# the README's vLLM pool ("Your engines")
+VLLM_YAML = re.search(r"```yaml\n# qwen\.yaml\n(.*?)```", (Path(__file__).parents[1] / "README.md").read_text(),
+                      re.DOTALL).group(1)  # type: ignore[union-attr]
 EXAMPLE_FLAGS = shlex.split(
     re.search(r"dynctl deploy (--name tiny [^#\n]*)", _DOC).group(1))  # type: ignore[union-attr]
 
@@ -151,6 +155,47 @@ def test_flags_land_on_their_fields(tmp_path: Path) -> None:
                               "--model", "/m/x.gguf"])
     assert deploy_cli.resource_from(args, "default")["spec"] == {
         "model": {"path": "/m/x.gguf"}, "pools": {"workers": {"replicas": 2}}, "engine": {"mocker": "cpu"}}
+
+
+def test_the_readmes_vllm_pool_renders_manifests_that_validate(kubeconfig: str, tmp_path: Path) -> None:
+    (tmp_path / "qwen.yaml").write_text(VLLM_YAML)
+    rendered = dynctl("deploy", "-f", str(tmp_path / "qwen.yaml"), "--dry-run", "--render", "--kubeconfig", kubeconfig)
+    assert rendered.returncode == 0, rendered.stderr
+    resource, *children = yaml.safe_load_all(rendered.stdout)
+    validate(resource)
+    validate_all(children)
+    pool = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "qwen-workers")
+    assert [c["image"] for c in pool["spec"]["template"]["spec"]["containers"]] == [
+        "vllm/vllm-openai:v0.10.2", "ghcr.io/dynserve/dynserve:0.1.0"]
+
+
+def test_the_engine_flags_land_on_the_workers_pool(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    deploy_cli.add_kube_commands(parser.add_subparsers(dest="command"))
+    digest = "sha256:" + "0f" * 32
+    args = parser.parse_args([
+        "deploy", "--engine", "vllm", "--vllm-image", f"vllm/vllm-openai:v0.10.2@{digest}", "--vllm-args",
+        "--dtype bfloat16 --max-num-batched-tokens 8192", "--vllm-block-size", "32", "--model", "/models/q",
+        "--workers", "2"])
+    resource = deploy_cli.resource_from(args, "default")
+    validate(resource)
+    assert resource["spec"]["pools"] == {"workers": {"replicas": 2, "engine": "vllm", "vllm": {
+        "image": "vllm/vllm-openai:v0.10.2", "digest": digest, "blockSize": 32,
+        "args": ["--dtype", "bfloat16", "--max-num-batched-tokens", "8192"]}}}
+    # over the README's file: the flags win; --engine dynserve drops its vllm block
+    (tmp_path / "qwen.yaml").write_text(VLLM_YAML)
+    args = parser.parse_args(["deploy", "-f", str(tmp_path / "qwen.yaml"), "--vllm-image", "mine/vllm:1"])
+    assert deploy_cli.resource_from(args, "default")["spec"]["pools"]["workers"]["vllm"]["image"] == "mine/vllm:1"
+    args = parser.parse_args(["deploy", "-f", str(tmp_path / "qwen.yaml"), "--engine", "dynserve"])
+    workers = deploy_cli.resource_from(args, "default")["spec"]["pools"]["workers"]
+    assert "vllm" not in workers and workers.get("engine", "dynserve") == "dynserve"
+    # vLLM serves aggregated: the flags say so before the spec does
+    args = parser.parse_args(["deploy", "--vllm-image", "v:1", "--prefill-workers", "1", "--decode-workers", "1"])
+    with pytest.raises(InvalidRequestError, match="--vllm-image: vLLM runs only in the aggregated workers pool"):
+        deploy_cli.resource_from(args, "default")
+    args = parser.parse_args(["deploy", "--engine", "vllm", "--prefill-workers", "1", "--decode-workers", "1"])
+    with pytest.raises(InvalidRequestError, match="spec.pools.prefill.engine: vLLM serves whole requests"):
+        deploy_cli.resource_from(args, "default")
 
 
 @pytest.mark.parametrize(("flags", "spec_file", "named"), [

@@ -62,6 +62,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "eventPlane": {"backend": "redis"},
         "planner": {"enabled": True, "ttftMs": 400, "itlMs": 40},
         "observability": {"serviceMonitor": True}}}},
+    "example-vllm": {"example": {"enabled": True, "name": "qwen", "spec": {
+        "model": {"path": "/models/Qwen3-8B", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+        "pools": {"workers": {**_gpu_pool(2), "engine": "vllm",
+                              "vllm": {"image": "vllm/vllm-openai:v0.10.2", "args": ["--dtype", "bfloat16"]}}}}}},
     "monitoring": {"grafana": {"dashboards": {"enabled": True}}, "prometheusRule": {"enabled": True},
                    "operator": {"serviceMonitor": {"enabled": True,
                                                    "labels": {"release": "kube-prometheus"}}}},
@@ -296,6 +300,11 @@ BAD_VALUES = {
     "a digest that is not one": {"image": {"digest": "latest"}},
     "a string for the NetworkPolicy switch": {"operator": {"networkPolicy": {"enabled": "off"}}},
     "the example's pods as root": {"example": {"spec": {"security": {"runAsUser": 0}}}},
+    "vLLM in the example's prefill pool": {"example": {"spec": {"pools": {
+        "prefill": {"engine": "vllm", "vllm": {"image": "vllm/vllm-openai:v0.10.2"}}, "decode": {}}}}},
+    "a vLLM pool without its image": {"example": {"spec": {"pools": {"workers": {"engine": "vllm"}}}}},
+    "a vLLM block size not a multiple of 16": {"example": {"spec": {"pools": {"workers": {
+        "engine": "vllm", "vllm": {"image": "vllm/vllm-openai:v0.10.2", "blockSize": 24}}}}}},
 }
 
 
@@ -541,6 +550,13 @@ def test_a_disaggregated_gpu_example_keeps_every_field(chart: helm_python.Chart)
     assert spec.event_plane.backend == "redis" and spec.planner.enabled and spec.planner.ttft_ms == 400
     assert spec.model.uri == values["example"]["spec"]["model"]["uri"]
     assert spec.gateway.service_type == "LoadBalancer" and spec.observability.service_monitor
+
+
+def test_a_vllm_example_keeps_its_engine_and_runs_the_charts_image_beside_vllms(chart: helm_python.Chart) -> None:
+    example = one(render(chart, VALUE_SETS["example-vllm"]), "DynServeDeployment")
+    spec = parse_deployment(example["spec"])
+    assert spec.pools.vllm is not None and spec.pools.vllm.image == "vllm/vllm-openai:v0.10.2"
+    assert spec.pools.vllm.args == ["--dtype", "bfloat16"] and spec.image.repository == DEFAULT_IMAGE
 
 
 def test_an_example_with_its_own_image_keeps_it(chart: helm_python.Chart) -> None:

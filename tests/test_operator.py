@@ -6,6 +6,7 @@ Kubernetes actuator against the same stand-in."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +20,14 @@ from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError, KubernetesError
 from dynserve.operator import handlers, metrics
 from dynserve.operator.builders import build_children, labels, pod_command
+from dynserve.operator.commands import vllm_args
 from dynserve.operator.crd import CRD_DIR, crd_files, deployment_crd, pool_crd
 from dynserve.operator.kube import KubeClient
 from dynserve.operator.reconcile import deployment_status, reconcile_deployment, reconcile_pool
 from dynserve.operator.spec import API_VERSION, KIND, OPERATOR_WRITABLE_PATHS, POOL_KIND, parse_deployment
 from dynserve.planner.kubernetes import ANNOTATION, KubernetesActuator, planner_pools
 from dynserve.workers.pool import node_resource
+from dynserve.workers.vllm_worker import vllm_argv
 from tests._kube import structural_problems, validate, validate_all
 from tests.kube_standin import KubeStandin, write_kubeconfig
 
@@ -44,9 +47,18 @@ DISAGG = {
     "observability": {"serviceMonitor": True},
     "env": [{"name": "DYN_KV_BLOCKS", "value": "4096"}],
 }
+VLLM = {
+    "model": {"path": "/models/Qwen3-0.6B", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+    "pools": {"workers": {"replicas": 2, "engine": "vllm",
+                          "vllm": {"image": "vllm/vllm-openai:v0.10.2", "args": ["--dtype", "bfloat16"], "blockSize": 32},
+                          "resources": {"limits": {"nvidia.com/gpu": 1}}}},
+    "engine": {"maxModelLen": 4096},
+    "clusterTokenSecret": {"name": "smol-cluster"},
+    "observability": {"serviceMonitor": True},
+}
 SPECS = {"default": {}, "aggregated": {"pools": {"workers": {"replicas": 3}}, "engine": {"mocker": "cpu"},
                                        "gateway": {"replicas": 3}},
-         "disaggregated": DISAGG,
+         "disaggregated": DISAGG, "vllm": VLLM,
          "external-redis": {"eventPlane": {"backend": "redis", "redisUrl": "redis://redis.infra:6379/2"},
                             "planner": {"enabled": True, "prometheusUrl": "http://prometheus.monitoring:9090"}}}
 
@@ -95,6 +107,19 @@ def test_example_resources_validate_against_the_crd(spec: dict[str, Any]) -> Non
     ({"security": {"writablePaths": ["/tmp"]}}, "security.writablePaths"),
     ({"security": {"writablePaths": ["/data", "/data"]}}, "security.writablePaths"),
     ({"image": {"digest": "sha256:abc"}}, "image.digest"),
+    # vLLM: aggregated only, with its image, the model it loads, flags the operator does not set
+    ({"pools": {"prefill": {"engine": "vllm"}, "decode": {}}}, "pools.prefill.engine"),
+    ({"pools": {"workers": {"engine": "vllm"}}, "model": {"path": "/models/q"}}, "pools.workers"),
+    ({"pools": {"workers": {"vllm": {"image": "v:1"}}}}, "pools.workers"),
+    ({**VLLM, "pools": {"workers": {"engine": "vllm", "vllm": {"image": "v:1", "args": ["--port=9000"]}}}},
+     "pools.workers.vllm.args"),
+    ({**VLLM, "pools": {"workers": {"engine": "vllm", "vllm": {"image": "v:1", "blockSize": 24}}}},
+     "pools.workers.vllm.blockSize"),
+    ({**VLLM, "pools": {"workers": {"engine": "vllm", "vllm": {"image": "v:1", "eventsPort": 8000}}}},
+     "pools.workers.vllm"),
+    ({**VLLM, "model": {"uri": "https://x/q.gguf"}}, "pools"),
+    ({**VLLM, "planner": {"enabled": True}}, "planner"),
+    ({**VLLM, "engine": {"mocker": "cpu"}}, "engine"),
 ])
 def test_a_bad_spec_names_its_field(spec: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidRequestError, match=rf"spec\.{field}"):
@@ -138,6 +163,30 @@ def test_the_crds_schema_refuses_a_relaxation_that_is_not_one(bad: dict[str, Any
         validate(resource({"security": bad}))
 
 
+@pytest.mark.parametrize("pools", [
+    {"prefill": {"engine": "vllm"}, "decode": {}},  # a disaggregated pool runs dynserve's engine only
+    {"workers": {"engine": "vllm"}},  # without its vllm block
+    {"workers": {"vllm": {"image": "v:1"}}},  # a vllm block, the engine left at dynserve
+    {"workers": {"engine": "vllm", "vllm": {"args": ["--dtype", "half"]}}},  # no image
+    {"workers": {"engine": "vllm", "vllm": {"image": "v:1", "blockSize": 24}}},
+])
+def test_the_crds_schema_refuses_a_vllm_pool_that_cannot_run(pools: dict[str, Any]) -> None:
+    with pytest.raises(jsonschema.ValidationError):
+        validate(resource({"model": {"path": "/models/q"}, "pools": pools}))
+
+
+def test_the_crds_cel_rules_hold_what_its_schema_cannot() -> None:
+    """Rules across fields (the API server runs them; parse_deployment refuses the same, tested above)."""
+    spec = deployment_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    rules = " ".join(r["rule"] for r in spec["x-kubernetes-validations"])
+    assert "has(self.model.path)" in rules and "self.planner.enabled" in rules and "self.engine.mocker" in rules
+    vllm = spec["properties"]["pools"]["properties"]["workers"]["properties"]["vllm"]
+    flags = vllm["properties"]["args"]["x-kubernetes-validations"][0]["rule"]
+    for flag in ("--port", "--model", "--block-size", "--kv-events-config"):
+        assert re.search(flags.split("'")[1], flag), flag
+    assert not re.search(flags.split("'")[1], "--max-model-len")
+
+
 def test_the_paths_the_pods_write_are_the_ones_the_crd_keeps_from_writable_paths() -> None:
     spec = parse_deployment({"model": {"uri": "https://x/m.gguf"}})
     pod = _by(build_children("smol", NS, spec), "Deployment", "smol-workers")["spec"]["template"]["spec"]
@@ -165,12 +214,17 @@ def test_every_pod_runs_locked_down_with_resources_and_probes(spec: dict[str, An
             for quantity in ("cpu", "memory"):
                 assert container["resources"]["limits"][quantity] == container["resources"]["requests"][quantity]
             assert {m["name"] for m in container["volumeMounts"]} <= writable | {"models"}
-        (container,) = pod["containers"]
-        assert "livenessProbe" in container and "readinessProbe" in container, deployment["metadata"]["name"]
-        if container["name"] != "redis":
+        for container in pod["containers"]:
+            assert "readinessProbe" in container, deployment["metadata"]["name"]
+            # a vLLM pod's sidecar serves nothing a liveness probe could ask (README: CKV_K8S_8)
+            assert ("livenessProbe" in container) == (container["name"] != "attach"), deployment["metadata"]["name"]
+        if pod["containers"][0]["name"] != "redis":
             shm = next(v for v in pod["volumes"] if v["name"] == "shm")
-            assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "320Mi"}  # Ray's 256 MiB object store
-            assert {"name": "XDG_CACHE_HOME", "value": "/var/cache/dynserve"} in container["env"]
+            # Ray's 256 MiB object store, and in a vLLM pod vLLM's 1 GiB of queues
+            size = "1344Mi" if pod["containers"][0]["name"] == "vllm" else "320Mi"
+            assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": size}
+            for container in pod["containers"]:
+                assert {"name": "XDG_CACHE_HOME", "value": "/var/cache/dynserve"} in container["env"]
 
 
 def test_memory_defaults_fit_the_model_and_the_spec_wins() -> None:
@@ -250,6 +304,68 @@ def test_disaggregated_children_carry_the_spec_to_the_pods() -> None:
             "verbs": ["get", "patch", "update"]} in role["rules"]
     assert _by(children, "DynServePool", "smol-decode")["spec"] == {
         "deployment": "smol", "pool": "decode", "replicas": 2, "minReplicas": 1, "maxReplicas": 6}
+
+
+def test_a_vllm_pool_runs_vllms_server_beside_a_sidecar_that_attaches_it() -> None:
+    children = build_children("smol", NS, parse_deployment(VLLM))
+    pool = _by(children, "Deployment", "smol-workers")
+    pod = pool["spec"]["template"]["spec"]
+    server, sidecar = pod["containers"]
+    assert pool["spec"]["replicas"] == 2 and "initContainers" not in pod
+    # vLLM's OpenAI server from its image, on the model's volume, with the pool's GPU
+    assert (server["name"], server["image"]) == ("vllm", "vllm/vllm-openai:v0.10.2")
+    assert server["command"] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    args = server["args"]
+    flags = dict(zip(args[:-2], args[1:-1], strict=True))
+    assert (flags["--model"], flags["--served-model-name"]) == ("/models/Qwen3-0.6B", "Qwen3-0.6B")
+    assert (flags["--host"], flags["--port"], flags["--block-size"], flags["--max-model-len"]) == (
+        "0.0.0.0", "8000", "32", "4096")
+    assert "--enable-prefix-caching" in args and args[-2:] == ["--dtype", "bfloat16"]  # `args` come last
+    assert json.loads(flags["--kv-events-config"]) == {
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+        "replay_endpoint": "tcp://127.0.0.1:5558"}
+    assert server["ports"] == [{"name": "vllm", "containerPort": 8000}]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert server[probe]["httpGet"] == {"path": "/health", "port": "vllm"}
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "models"}} in pod["volumes"]
+    assert {"name": "models", "mountPath": "/models"} in server["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert env["HOME"].startswith("/var/cache/dynserve") and env["VLLM_NO_USAGE_STATS"] == "1"
+    assert {m["mountPath"] for m in server["volumeMounts"]} == OPERATOR_WRITABLE_PATHS
+    # the sidecar: dynserve's image, once vLLM answers, attaches it under the pod's name through the head's Ray
+    assert sidecar["image"] == "ghcr.io/dynserve/dynserve:0.1.0"
+    script = sidecar["command"][-1]
+    wait, join, attach = script.split(" && ")
+    assert wait.startswith("until python -c") and "http://127.0.0.1:8000/health" in wait
+    assert "--address=smol-head:6379 --num-cpus=0" in join and "--resources" not in join  # no pool of ours here
+    assert attach == ('exec dynctl attach --worker-url "vllm=http://$POD_IP:8000;events=tcp://127.0.0.1:5557;'
+                      'replay=tcp://127.0.0.1:5558;id=$POD_NAME" --block-size 32 --ray-address=smol-head:6379')
+    sidecar_env = {e["name"]: e for e in sidecar["env"]}
+    assert sidecar_env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert sidecar_env["DYN_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "smol-cluster"
+    assert sidecar["envFrom"] == [{"configMapRef": {"name": "smol-config"}}]
+    assert sidecar["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}  # by number: not its port
+    # the head's gateway follows the attached servers (no pool of dynserve's workers to start)
+    head = _by(children, "Deployment", "smol-head")["spec"]["template"]["spec"]["containers"][0]
+    assert head["command"][-1].endswith('exec dynctl gateway --ray-address="$POD_IP:6379"')
+    # vLLM's /metrics: Prometheus reaches port 8000, the ServiceMonitor scrapes it through the workers Service
+    policy = _by(children, "NetworkPolicy", "smol")["spec"]["ingress"]
+    assert {"protocol": "TCP", "port": 8000} in policy[2]["ports"] and policy[0] == {"from": [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "dynserve", "app.kubernetes.io/instance": "smol"}}}]}
+    assert {"name": "vllm", "port": 8000, "targetPort": "vllm"} in _by(children, "Service", "smol-workers")[
+        "spec"]["ports"]
+    assert "vllm" in [e["port"] for e in _by(children, "ServiceMonitor", "smol")["spec"]["endpoints"]]
+    assert pool["spec"]["template"]["metadata"]["labels"]["dynserve.io/worker"] == "true"
+
+
+def test_a_vllm_pool_gets_the_flags_dynctl_serve_gives_vllm() -> None:
+    """One vLLM command line in two places (the operator's pods, `dynctl serve --engine vllm`'s actors)."""
+    spec = parse_deployment(VLLM)
+    settings = Settings(model="/models/Qwen3-0.6B", vllm_command="vllm", block_size=32, max_model_len=4096)
+    served = vllm_argv(settings, host="10.0.0.5", port=8000, events_port=5557, replay_port=5558)
+    assert [a for a in served if a.startswith("--")] == [
+        a for a in vllm_args(spec, spec.pools.vllm) if a.startswith("--") and a not in ("--dtype",)]  # type: ignore[arg-type]
 
 
 def test_the_head_runs_a_ray_head_without_cpus_then_dynctl_serve() -> None:
