@@ -355,7 +355,7 @@ def test_dynctl_serve_engine_vllm_starts_attaches_and_replaces_its_workers(
 
     repo = Path(__file__).resolve().parent.parent
     # the stand-in takes vLLM's server flags, so the pool starts it where it would start vLLM
-    command = [dynctl, "serve", "--port", "0", "--engine", "vllm", "--workers", "2", "--block-size", "32",
+    command = [dynctl, "serve", "--port", "0", "--engine", "vllm", "--workers", "1", "--block-size", "32",
                "--model", str(default_model_path()), "--worker-num-cpus", "0.1",
                "--vllm-command", f"env PYTHONPATH={repo} {sys.executable} -m benchmarks.vllm_standin",
                "--vllm-args", "--decode-ms 1"]
@@ -363,7 +363,7 @@ def test_dynctl_serve_engine_vllm_starts_attaches_and_replaces_its_workers(
     with dynctl_serve(command, 240, env) as served:
         url = f"http://127.0.0.1:{served.port}"
         ready = httpx.get(f"{url}/ready", timeout=10).json()
-        assert len(ready["workers"]) == 2, ready
+        assert len(ready["workers"]) == 1, ready
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         answer = client.completions.create(model=ready["model"], prompt="Hello there", max_tokens=5)
         assert answer.usage.completion_tokens == 5
@@ -373,8 +373,8 @@ def test_dynctl_serve_engine_vllm_starts_attaches_and_replaces_its_workers(
         subprocess.run(["pkill", "-9", "-f", f"vllm_standin .*--port {victim.rsplit(':', 1)[1]}"], check=True)
         deadline_s = time.monotonic() + 60
         while True:
-            workers = httpx.get(f"{url}/ready", timeout=10).json()["workers"]
-            if len(workers) == 2 and set(workers) != set(ready["workers"]):
+            workers = httpx.get(f"{url}/ready", timeout=10).json().get("workers", [])  # none ready: a 503
+            if len(workers) == 1 and workers != ready["workers"]:
                 break
             assert time.monotonic() < deadline_s, workers
             time.sleep(0.2)
