@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -100,8 +101,8 @@ async def describe_server(spec: WorkerUrl, *, worker_id: str, block_size: int, m
 
 class AttachedWorker:
     """One attached server on `plane` (an `EventPlane`): registered while `start`ed and while it answers
-    `/health` (checked every third of the lease: a server that stops answering leaves the registry, and
-    joins again when it answers), its KV events relayed."""
+    `/health` (checked every third of the lease: a server that refuses connections, or has not answered for a
+    lease, leaves the registry, and joins again when it answers), its KV events relayed."""
 
     def __init__(self, plane: Any, info: WorkerInfo, spec: WorkerUrl, *, lease_s: float) -> None:
         self.info, self.spec, self.plane, self.lease_s = info, spec, plane, lease_s
@@ -124,15 +125,24 @@ class AttachedWorker:
                     f"KV events from {self.spec.events}" if self.relay else "no KV events")
 
     async def _watch(self) -> None:
+        """Leave the registry when the server refuses connections (it is gone) or has not answered `/health`
+        for a whole lease (a slow answer on a busy host is not death); join again when it answers."""
         import httpx
 
-        async with httpx.AsyncClient(base_url=self.spec.url, timeout=max(1.0, self.lease_s / 3)) as client:
+        last_ok_s = time.monotonic()
+        async with httpx.AsyncClient(base_url=self.spec.url, timeout=self.lease_s) as client:
             while True:
                 await asyncio.sleep(self.lease_s / 3)
                 try:
                     healthy = (await client.get("/health")).status_code == 200
+                    gone = False
+                except httpx.ConnectError:
+                    healthy, gone = False, True
                 except httpx.HTTPError:
-                    healthy = False
+                    healthy, gone = False, False
+                now_s = time.monotonic()
+                if healthy:
+                    last_ok_s = now_s
                 if healthy and not self.registered:
                     logger.info("worker %s answers again: it joins the registry", self.info.worker_id)
                     self.registration = Registration(self.plane, self.info.worker_id, self.lease_s)
@@ -141,7 +151,7 @@ class AttachedWorker:
                         self.relay.emit = self.registration.queue_kv_events
                         self.registration.queue_kv_events([self.relay.translator.reset()])
                     self.registered = True
-                elif not healthy and self.registered:
+                elif self.registered and (gone or now_s - last_ok_s > self.lease_s):
                     logger.warning("worker %s does not answer /health: it leaves the registry", self.info.worker_id)
                     self.registered = False
                     await self.registration.leave()
