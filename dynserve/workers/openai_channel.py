@@ -151,10 +151,9 @@ class OpenAIChannel:
         cluster token is dynserve's own; an OpenAI server is guarded by its own means (its API key)."""
         import httpx
 
-        if self._client is None:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._client = httpx.AsyncClient(base_url=self.base_url, limits=limits,
-                                             timeout=httpx.Timeout(self._timeout_s, connect=timeout_s))
+        if self._client is None:  # health and metrics only: completions go over `_pool`
+            self._client = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(self._timeout_s,
+                                                                                           connect=timeout_s))
         for path in ("/health", "/v1/models"):
             try:
                 response = await self._client.get(path, timeout=timeout_s)
@@ -301,7 +300,8 @@ class _StreamState:
             return None
         choice = chunk["choices"][0]
         reason = choice.get("finish_reason")
-        reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(reason, reason and "stop")
+        if reason not in (None, "length", "abort"):  # "stop", or a server's own word for an ending it chose
+            reason = "stop"
         if not self.tokens_out:
             return self._text_chunk(choice.get("text") or "", reason)
         assert self.output is not None

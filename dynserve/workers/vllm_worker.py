@@ -22,7 +22,6 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
@@ -190,7 +189,3 @@ class VllmWorker:
 
     def log_tail(self, num_chars: int = 3000) -> str:
         return self._log.read_text(errors="replace")[-num_chars:] if self._log.exists() else ""
-
-    def load(self) -> Any:
-        raise WorkerUnavailableError("a vLLM worker's load is read from its /metrics by the gateway",
-                                     worker_id=self.worker_id)
