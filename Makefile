@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # test reaches: tests/conftest.py; docs/testing.md lists them).
 HEAVY := model or ray or fleet or services or netns or install or fuzz or peers
 
-.PHONY: setup test test-fast test-peers serve bench clean
+.PHONY: setup test test-fast test-peers test-gpu serve bench clean
 
 setup:
 	@bash scripts/setup.sh
@@ -18,6 +18,11 @@ test: setup
 test-peers: setup
 	bash scripts/setup-peers.sh vllm
 	$(PY) -m pytest -m peers -s
+
+# the built-in engine on a CUDA device, its kernels compiled (they skip without one; scripts/gpu-run.sh runs
+# them with the benchmark on a machine without this venv)
+test-gpu: setup
+	TRITON_INTERPRET=0 $(PY) -m pytest -m gpu tests/test_gpu.py -rP
 
 # everything that needs none of the heavy parts, in about a minute
 test-fast: setup

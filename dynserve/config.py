@@ -31,8 +31,9 @@ class Settings(BaseSettings):
 
     # ---- engine ----
     model: str | None = Field(None, description="GGUF file or Hugging Face directory; default: bundled SmolLM2")
-    dtype: DType = Field("auto", description="weights and activations dtype; 'auto': bfloat16 on a CPU with "
-                                             "AVX512-BF16 (where the engine's bf16 kernels run), float32 elsewhere")
+    dtype: DType = Field("auto", description="weights and activations dtype; 'auto': bfloat16 on a GPU that has "
+                                             "it and on a CPU with AVX512-BF16 (where the engine's bf16 kernels "
+                                             "run), float32 elsewhere")
     device: str = Field("auto", description="'auto' (cuda if present, else cpu), 'cpu' or 'cuda[:N]'")
     block_size: int = Field(16, ge=1, le=256, description="tokens per KV block (a vLLM worker's: a multiple of its "
                             "attention backend's, 32 on CPU)")
@@ -48,6 +49,8 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
     attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="'auto': triton on GPU")
+    cuda_graphs: bool = Field(True, description="on a GPU with the triton backend: replay decode steps from CUDA "
+                                                "graphs captured at start (per batch-size bucket)")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice")
     seed: int = Field(0, description="seed for requests that give none")
     engine_nice: int = Field(5, ge=0, le=19, description="on CPU, how much lower a worker's engine threads run "

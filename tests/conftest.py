@@ -63,6 +63,7 @@ MARKERS = {
     "install": "pip-installs the package into a fresh virtualenv",
     "fuzz": "runs a fuzzer's budget of generated requests",
     "peers": "runs a peer system from its own venv (vLLM's CPU build): make test-peers, not make test",
+    "gpu": "needs a CUDA device (make test-gpu, scripts/gpu-run.sh); skips without one",
 }
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -257,6 +258,20 @@ def hf_model() -> Any:
 
 def _cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+@pytest.fixture(scope="session")
+@needs("gpu")
+def cuda() -> Any:
+    """The CUDA device; the test skips where there is none. Its Triton kernels must be compiled, not
+    interpreted: run with TRITON_INTERPRET=0 (`make test-gpu` does)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 would run the GPU's kernels in the interpreter: set it to 0")
+    return torch.device("cuda")
 
 
 # ---- serving: one Ray instance, one engine worker, gateways over it ------------------------------------

@@ -72,11 +72,13 @@ def torch_dtype(name: DType) -> torch.dtype:
 
 
 def resolve_dtype(name: DType, device: torch.device) -> torch.dtype:
-    """`Settings.dtype` on `device`: 'auto' is bfloat16 on a CPU whose bf16 kernels run (AVX512-BF16 and
-    a compiler to build them), about 2-3x faster at decode than float32 within bf16's parity tolerance;
-    float32 elsewhere (a GPU's bf16 path is not measured yet)."""
+    """`Settings.dtype` on `device`: 'auto' is bfloat16 on a CUDA device that supports it (what GPU serving
+    runs) and on a CPU whose bf16 kernels run (AVX512-BF16 and a compiler to build them), about 2-3x faster
+    at decode than float32 within bf16's parity tolerance; float32 elsewhere."""
     if name != "auto":
         return torch_dtype(name)
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
     if device.type == "cpu":
         from dynserve.engine.kernels import cpu_native
 
@@ -111,6 +113,9 @@ class LLMEngine(EngineCore):
                          eos_token_id=config.eos_token_id, max_model_len=max_model_len, num_blocks=num_blocks)
         self.runner = ModelRunner(self.model, num_blocks, settings.block_size, self.device,
                                   settings.attention_backend)
+        if settings.cuda_graphs and self.device.type == "cuda" and self.runner.backend_name == "triton":
+            say(f"capturing CUDA graphs of decode batches up to {settings.max_num_seqs}")
+            self.runner.capture_graphs(max_model_len, settings.max_num_seqs)
         say(f"ready: {self.model_id}, {num_blocks} KV blocks, {self.device} {str(self.dtype).removeprefix('torch.')}")
 
     def _execute(self, batch: ScheduledBatch) -> StepSamples:

@@ -4,6 +4,11 @@ The runner turns a scheduled batch into packed inputs (token ids, positions, slo
 runs the model, and samples one token for each sequence whose every token is now computed. It owns the KV
 cache tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; the block manager owns which
 block ids are in use.
+
+On the CPU, inputs are built from Python lists and sampling runs on CPU logits (`sampler.sample`). On a GPU
+(`device.type == "cuda"`), a step's inputs go up in one copy with the slot mapping computed on the device
+(`step_inputs`), sampling runs there (`sampler.sample_on_device`, one read back), and decode steps replay
+CUDA graphs (`cuda_graphs`, captured by `capture_graphs` for the Triton backend).
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from types import ModuleType
 
 import torch
 
-from dynserve.engine import memory
+from dynserve.engine import memory, step_inputs
+from dynserve.engine.cuda_graphs import DecodeGraphs
 from dynserve.engine.kernels import AttentionMetadata
 from dynserve.engine.loader import ModelConfig
 from dynserve.engine.models.llama import LlamaForCausalLM
-from dynserve.engine.sampler import SampleResult, sample
+from dynserve.engine.sampler import SampleResult, sample, sample_on_device
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 
@@ -57,19 +63,39 @@ class ModelRunner:
         self.kv_cache = memory.empty(
             (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype, device,
         ).zero_()
+        self.graphs: DecodeGraphs | None = None
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
-            self.attention.__name__.rsplit(".", 1)[-1],
+            self.backend_name,
         )
+
+    @property
+    def backend_name(self) -> str:
+        return self.attention.__name__.rsplit(".", 1)[-1].removesuffix("_attention")
+
+    def capture_graphs(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Capture decode graphs for batches up to `max_num_seqs` (CUDA and the Triton backend only)."""
+        if self.device.type != "cuda" or self.backend_name != "triton":
+            raise ValueError(f"CUDA graphs need the Triton backend on a CUDA device, not {self.backend_name} "
+                             f"on {self.device}")
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.attention, self.block_size, max_model_len,
+                              step_inputs.decode_graph_batch_sizes(max_num_seqs))
+        graphs.capture()
+        self.graphs = graphs
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
         """Run one step. Returns the sequences that sampled a token and their samples (in that order)."""
-        logits, sampling = self._forward(batch)
+        if self.graphs is not None and self.graphs.fits(batch):
+            logits, sampling = self.graphs.run(batch.seqs), batch.seqs
+        else:
+            logits, sampling = self._forward(batch)
         if not sampling:
             return [], None
         with torch.inference_mode():
-            return sampling, sample(logits.cpu(), sampling)
+            if self.device.type == "cpu":
+                return sampling, sample(logits.cpu(), sampling)
+            return sampling, sample_on_device(logits, sampling)
 
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits after the last token of each sequence (each must be scheduled to its end)."""
@@ -79,6 +105,19 @@ class ModelRunner:
         return logits.cpu()
 
     def _forward(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        if self.device.type != "cpu":
+            return self._forward_uploaded(batch)
+        return self._forward_from_lists(batch)
+
+    def _forward_uploaded(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
+        """The accelerator's step: inputs in one upload, slots computed on the device."""
+        inputs = step_inputs.upload_step(batch, self.block_size, self.device)
+        with torch.inference_mode():
+            logits = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta, self.attention,
+                                inputs.logits_indices)
+        return logits, inputs.sampling
+
+    def _forward_from_lists(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:
         input_ids: list[int] = []
         positions: list[int] = []
         seq_lens: list[int] = []

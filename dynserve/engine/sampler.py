@@ -3,6 +3,14 @@
 Pure function of (logits, the sequences' parameters and outputs). Rows with a `seed` draw from their own
 generator, so a seeded request gives the same tokens whatever else shares its batch. Logprobs are
 log-softmax of the logits after penalties and before temperature.
+
+Two implementations of one contract:
+- `sample`: row by row on CPU logits (the CPU engine's path).
+- `sample_on_device`: batched on the logits' device (a GPU's), reading back only the chosen ids and the
+  logprobs asked for, in one transfer. It draws by the exponential race (`argmax(p / E)`, E ~ Exp(1) per
+  token: a draw from p), top-k by rank after sorting (ties at the k-th value are cut, where `sample` keeps
+  them). Greedy rows, penalties and logprobs equal `sample`'s; sampled rows follow the same distribution
+  from another random stream.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import torch
 from dynserve.engine.sequence import Sequence
 from dynserve.protocol import TokenLogprob
 
-__all__ = ["SampleResult", "sample"]
+__all__ = ["SampleResult", "sample", "sample_on_device"]
 
 
 @dataclass(slots=True)
@@ -77,3 +85,77 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) 
         chosen = token_ids[row]
         out[row] = TokenLogprob(chosen, float(logprobs[j, chosen]), top)
     return out
+
+
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    """`sample`'s contract for logits on any device, batched; one synchronizing read of the results."""
+    num_rows, vocab = logits.shape
+    device = logits.device
+    _apply_penalties_batched(logits, seqs)
+    token_ids = logits.argmax(dim=-1)
+    drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
+    if drawn:
+        rows = torch.tensor(drawn, device=device)
+        params = [seqs[i].params for i in drawn]
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+        scaled = logits[rows] / temperature[:, None]
+        if any(p.top_k is not None and p.top_k < vocab for p in params) or any(p.top_p < 1.0 for p in params):
+            ordered, order = scaled.sort(dim=-1, descending=True)
+            top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=device)
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=device)
+            ranks = torch.arange(vocab, device=device)
+            ordered = ordered.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+            probs = ordered.softmax(dim=-1)
+            ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
+            scaled = torch.empty_like(scaled).scatter_(1, order, ordered)  # back in vocabulary order
+        probs = scaled.softmax(dim=-1)
+        # drawn in vocabulary order, so a seeded row's draw does not depend on what shares its batch
+        noise = torch.empty_like(probs).exponential_()
+        for j, i in enumerate(drawn):
+            generator = seqs[i].sampling_generator(device)
+            if generator is not None:
+                noise[j].exponential_(generator=generator)
+        # a zero draw would make 0/0 = NaN, which argmax takes for the largest
+        token_ids[rows] = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    parts = [token_ids.double()]
+    wanted = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+    top_k_max = max((seqs[i].params.logprobs or 0 for i in wanted), default=0)
+    if wanted:
+        rows = torch.tensor(wanted, device=device)
+        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        parts.append(logprobs.gather(1, token_ids[rows][:, None]).squeeze(1).double())
+        if top_k_max:
+            values, ids = torch.topk(logprobs, top_k_max, dim=-1)
+            parts += [values.double().flatten(), ids.double().flatten()]
+    flat = torch.cat(parts).tolist()  # the step's one read back (token ids are exact in float64)
+    chosen = [int(t) for t in flat[:num_rows]]
+    out: list[TokenLogprob | None] = [None] * num_rows
+    if wanted:
+        chosen_lp = flat[num_rows : num_rows + len(wanted)]
+        top_values = flat[num_rows + len(wanted) : num_rows + len(wanted) * (1 + top_k_max)]
+        top_ids = flat[num_rows + len(wanted) * (1 + top_k_max) :]
+        for j, row in enumerate(wanted):
+            k = seqs[row].params.logprobs or 0
+            base = j * top_k_max
+            top = [(int(top_ids[base + m]), top_values[base + m]) for m in range(k)]
+            out[row] = TokenLogprob(chosen[row], chosen_lp[j], top)
+    return SampleResult(chosen, out)
+
+
+def _apply_penalties_batched(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """`_apply_penalties` in one indexed update (the same fp32 arithmetic: frequency x count + presence)."""
+    rows: list[int] = []
+    ids: list[int] = []
+    terms: list[float] = []  # count, frequency penalty, presence penalty of each (row, token)
+    for row, seq in enumerate(seqs):
+        if not seq.output_counts:
+            continue
+        params = seq.params
+        for token_id, count in seq.output_counts.items():
+            rows.append(row)
+            ids.append(token_id)
+            terms += (count, params.frequency_penalty, params.presence_penalty)
+    if rows:
+        index = torch.tensor([rows, ids], device=logits.device)
+        count, frequency, presence = torch.tensor(terms, dtype=logits.dtype, device=logits.device).view(-1, 3).unbind(1)
+        logits.index_put_((index[0], index[1]), -(frequency * count + presence), accumulate=True)

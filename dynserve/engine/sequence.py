@@ -52,13 +52,14 @@ class Sequence:
         if self.params.presence_penalty or self.params.frequency_penalty:
             self.output_counts = {}
 
-    def sampling_generator(self) -> torch.Generator | None:
-        """This request's seeded torch generator (None without a seed). Built on the first draw, so engines
-        that never sample with torch (the mocker) never import it; the stream is the same either way."""
+    def sampling_generator(self, device: torch.device | None = None) -> torch.Generator | None:
+        """This request's seeded torch generator (None without a seed), on the device its engine samples on
+        (the CPU by default). Built on the first draw, so engines that never sample with torch (the mocker)
+        never import it; the stream is the same either way."""
         if self._generator is None and self.params.seed is not None:
             import torch
 
-            self._generator = torch.Generator().manual_seed(self.params.seed)
+            self._generator = torch.Generator(device=device or "cpu").manual_seed(self.params.seed)
         return self._generator
 
     @property

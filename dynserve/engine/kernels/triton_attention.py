@@ -22,6 +22,8 @@ interpreter computes bf16 dots wrongly, so there bf16 operands are upcast to fp3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from dynserve.engine.kernels import AttentionMetadata
@@ -33,12 +35,31 @@ except ImportError:  # the Triton backend is optional: is_available() says False
     triton = None
     tl = None
 
-__all__ = ["forward", "is_available", "write_kv"]
+__all__ = ["TUNING", "Tuning", "forward", "is_available", "write_kv"]
 
 _LOG2E = 1.4426950408889634
 _MIN_DOT_DIM = 16  # tl.dot needs every dimension >= 16
-_BLOCK_N = 64  # keys per tile; a tile may span several cache blocks
-_MAX_BLOCK_M = 64  # query rows (token x group head) per prefill tile
+_INTERPRETER_MAX_BLOCK_M = 64  # prefill tiles under the interpreter (smaller tiles run faster there)
+
+
+@dataclass(slots=True)
+class Tuning:
+    """Launch parameters of the attention kernels on a GPU (the interpreter ignores warps and stages).
+
+    `block_n`: keys per tile (a tile may span several cache blocks); `prefill_max_block_m`: query rows
+    (token x group head) per prefill tile at most. `benchmarks.gpu` sweeps these and reports the best.
+    """
+
+    decode_block_n: int = 64
+    decode_num_warps: int = 4
+    decode_num_stages: int = 3
+    prefill_max_block_m: int = 128
+    prefill_block_n: int = 64
+    prefill_num_warps: int = 8
+    prefill_num_stages: int = 3
+
+
+TUNING = Tuning()
 
 
 def _jit(fn):
@@ -70,7 +91,8 @@ def _write_kv_kernel(
     block_id = slot // block_size
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :]
+    # a negative slot is a padding row (a CUDA graph's batch filled up to its size): nothing is stored
+    mask = (offs_h < num_kv_heads)[:, None] & (offs_d < head_dim)[None, :] & (slot >= 0)
     k = tl.load(key_ptr + tok * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + tok * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :], mask=mask)
     dst = (
@@ -108,17 +130,21 @@ def _online_softmax_step(q, k, v, mask, acc, m_i, l_i, qk_scale_log2, DOT_FP32: 
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
     else:
         k = k.to(q.dtype)
         v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale_log2
+        s = tl.dot(q, tl.trans(k)) * qk_scale_log2
     s = tl.where(mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay all-zero, not NaN
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    if DOT_FP32:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 
@@ -297,23 +323,31 @@ def forward(
         *_cache_strides(kv_cache),
         kv_cache.shape[3], head_dim,
     )  # fmt: skip
+    interpreting = _interpreting()
     constants = dict(
         HEADS_PER_KV=heads_per_kv,
-        BLOCK_N=_BLOCK_N,
         BLOCK_D=max(_MIN_DOT_DIM, triton.next_power_of_2(head_dim)),
         DOT_FP32=_dot_in_fp32(query.dtype),
     )
     if meta.max_query_len == 1:
         block_h = max(_MIN_DOT_DIM, triton.next_power_of_2(heads_per_kv))
-        _decode_kernel[(meta.num_seqs, num_kv_heads)](*common, BLOCK_H=block_h, **constants)
+        launch = {} if interpreting else {"num_warps": TUNING.decode_num_warps, "num_stages": TUNING.decode_num_stages}
+        _decode_kernel[(meta.num_seqs, num_kv_heads)](
+            *common, BLOCK_H=block_h, BLOCK_N=TUNING.decode_block_n, **constants, **launch
+        )
     else:
-        block_m = _prefill_block_m(meta.max_query_len, heads_per_kv)
+        max_block_m = _INTERPRETER_MAX_BLOCK_M if interpreting else TUNING.prefill_max_block_m
+        block_m = _prefill_block_m(meta.max_query_len, heads_per_kv, max_block_m)
         num_q_tiles = triton.cdiv(meta.max_query_len, block_m // heads_per_kv)
-        _prefill_kernel[(meta.num_seqs, num_kv_heads, num_q_tiles)](*common, BLOCK_M=block_m, **constants)
+        launch = {} if interpreting else {"num_warps": TUNING.prefill_num_warps, "num_stages": TUNING.prefill_num_stages}
+        _prefill_kernel[(meta.num_seqs, num_kv_heads, num_q_tiles)](
+            *common, BLOCK_M=block_m, BLOCK_N=TUNING.prefill_block_n, **constants, **launch
+        )
     return out
 
 
-def _prefill_block_m(max_query_len: int, heads_per_kv: int) -> int:
-    """Rows per prefill tile: enough for the longest chunk's group rows, within [16, 64] and >= one group."""
+def _prefill_block_m(max_query_len: int, heads_per_kv: int, max_block_m: int) -> int:
+    """Rows per prefill tile: enough for the longest chunk's group rows, within [16, max_block_m] and >= one
+    group."""
     rows = triton.next_power_of_2(max_query_len * heads_per_kv)
-    return max(_MIN_DOT_DIM, triton.next_power_of_2(heads_per_kv), min(rows, _MAX_BLOCK_M))
+    return max(_MIN_DOT_DIM, triton.next_power_of_2(heads_per_kv), min(rows, max_block_m))
