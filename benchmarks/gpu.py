@@ -22,6 +22,7 @@ The last stdout line is the JSON result (also written under --out, with a PNG of
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -54,11 +55,12 @@ def main() -> None:
         device = torch.device("cpu")
     else:
         sys.exit("benchmarks.gpu needs a CUDA device (or --smoke, on the CPU)")
-    bench = GpuBench(device, quick=args.quick or args.smoke, smoke=args.smoke)
-    result = bench.run()
     out = args.out
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
+    bench = GpuBench(device, quick=args.quick or args.smoke, smoke=args.smoke)
+    result = bench.run(out / "gpu-partial.json" if out else None)
+    if out is not None:
         bench.plot(result, out / "gpu-engine.png")
     write_result("gpu", result, out / "gpu.json" if out else None)
 
@@ -113,7 +115,9 @@ class GpuBench:
 
     # ---- the run -----------------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
+    def run(self, partial: Path | None = None) -> dict[str, Any]:
+        """Every part in turn; with `partial`, the result so far is written there after each (a run cut
+        short by its time limit still leaves its numbers)."""
         torch = self.torch
         import triton
 
@@ -132,6 +136,8 @@ class GpuBench:
             except Exception as exc:  # one failed part still leaves the others' numbers
                 log(f"{name} failed: {exc!r}\n{traceback.format_exc()}")
                 result[name] = {"error": repr(exc)}
+            if partial is not None:
+                partial.write_text(json.dumps(result, sort_keys=True, default=str) + "\n")
         result["verdict"] = self.verdict(result)
         return result
 

@@ -210,7 +210,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope_scaling=raw.get("rope_scaling"),
+        rope_scaling=_rope_scaling(raw),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_id=_first(raw.get("eos_token_id")),
     )
@@ -226,6 +226,15 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str,
         state.pop("lm_head.weight", None)
     _check_complete(config, state, path)
     return config, state
+
+
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """A config's rope scaling: `rope_scaling`, or (transformers 5's configs) `rope_parameters` when its
+    type is not the default."""
+    if raw.get("rope_scaling"):
+        return raw["rope_scaling"]
+    parameters = raw.get("rope_parameters") or {}
+    return parameters if parameters.get("rope_type", "default") != "default" else None
 
 
 def _first(value: Any) -> int | None:

@@ -106,7 +106,9 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult
             ranks = torch.arange(vocab, device=device)
             ordered = ordered.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
             probs = ordered.softmax(dim=-1)
-            ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
+            # rows without top-p keep everything (an fp32 cumsum can reach 1.0 before the tail)
+            beyond = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
+            ordered = ordered.masked_fill(beyond, float("-inf"))
             scaled = torch.empty_like(scaled).scatter_(1, order, ordered)  # back in vocabulary order
         probs = scaled.softmax(dim=-1)
         # drawn in vocabulary order, so a seeded row's draw does not depend on what shares its batch

@@ -331,15 +331,19 @@ def forward(
     )
     if meta.max_query_len == 1:
         block_h = max(_MIN_DOT_DIM, triton.next_power_of_2(heads_per_kv))
-        launch = {} if interpreting else {"num_warps": TUNING.decode_num_warps, "num_stages": TUNING.decode_num_stages}
+        stages = min(TUNING.decode_num_stages, 2) if constants["DOT_FP32"] else TUNING.decode_num_stages
+        launch = {} if interpreting else {"num_warps": TUNING.decode_num_warps, "num_stages": stages}
         _decode_kernel[(meta.num_seqs, num_kv_heads)](
             *common, BLOCK_H=block_h, BLOCK_N=TUNING.decode_block_n, **constants, **launch
         )
     else:
         max_block_m = _INTERPRETER_MAX_BLOCK_M if interpreting else TUNING.prefill_max_block_m
+        stages = TUNING.prefill_num_stages
+        if constants["DOT_FP32"]:  # fp32 tiles take twice the shared memory: smaller tiles, fewer stages
+            max_block_m, stages = min(max_block_m, 64), min(stages, 2)
         block_m = _prefill_block_m(meta.max_query_len, heads_per_kv, max_block_m)
         num_q_tiles = triton.cdiv(meta.max_query_len, block_m // heads_per_kv)
-        launch = {} if interpreting else {"num_warps": TUNING.prefill_num_warps, "num_stages": TUNING.prefill_num_stages}
+        launch = {} if interpreting else {"num_warps": TUNING.prefill_num_warps, "num_stages": stages}
         _prefill_kernel[(meta.num_seqs, num_kv_heads, num_q_tiles)](
             *common, BLOCK_M=block_m, BLOCK_N=TUNING.prefill_block_n, **constants, **launch
         )
