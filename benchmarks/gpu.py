@@ -296,8 +296,8 @@ class GpuBench:
             return triton_attention.forward(q, k, v, cache, 0, meta, scale)
 
         sweep = self.sweep(ours, [
-            {"prefill_max_block_m": 128, "prefill_block_n": 64, "prefill_num_warps": 8, "prefill_num_stages": 3},
             {"prefill_max_block_m": 128, "prefill_block_n": 128, "prefill_num_warps": 8, "prefill_num_stages": 2},
+            {"prefill_max_block_m": 128, "prefill_block_n": 64, "prefill_num_warps": 8, "prefill_num_stages": 3},
             {"prefill_max_block_m": 64, "prefill_block_n": 64, "prefill_num_warps": 4, "prefill_num_stages": 3},
             {"prefill_max_block_m": 128, "prefill_block_n": 64, "prefill_num_warps": 4, "prefill_num_stages": 3},
             {"prefill_max_block_m": 128, "prefill_block_n": 32, "prefill_num_warps": 4, "prefill_num_stages": 4},

@@ -61,7 +61,12 @@ def test_one_upload_gives_the_cpu_paths_metadata() -> None:
     assert torch.equal(inputs.meta.slot_mapping, expected.slot_mapping)
     assert torch.equal(inputs.meta.query_start_loc, expected.query_start_loc)
     assert torch.equal(inputs.meta.seq_lens, expected.seq_lens)
-    assert torch.equal(inputs.meta.block_tables, expected.block_tables)
+    assert inputs.meta.block_tables.shape == (4, 16)  # widths rounded up to 16 (one Triton variant)
+    assert torch.equal(inputs.meta.block_tables[:, :4], expected.block_tables)
+    assert not inputs.meta.block_tables[:, 4:].any()
+    for tensor in (inputs.meta.seq_lens, inputs.meta.query_start_loc, inputs.meta.block_tables):
+        # every segment 64 bytes into the one buffer (a device allocation's base is aligned further)
+        assert (tensor.data_ptr() - tensor.untyped_storage().data_ptr()) % 64 == 0
     assert inputs.meta.query_start_loc_cpu == expected.query_start_loc_cpu
     assert inputs.meta.max_query_len == 7
     assert inputs.input_ids.tolist() == list(range(16, 23)) + [48, 1, 2, 3] + list(range(60, 65))
@@ -284,3 +289,60 @@ def test_gpu_run_script_passes_its_checks_without_a_gpu() -> None:
                           timeout=60, env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert "gpu-run: checks passed" in done.stdout
+
+
+# ---- the GPU's fused ops, interpreted ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_triton_ops_match_the_torch_ops(dtype: str) -> None:
+    check_fused_ops(torch.device("cpu"), dtype)
+
+
+def check_fused_ops(device: Any, dtype: str) -> None:
+    """RMSNorm (with the residual added and updated in place), SiLU-and-multiply and rope over a fused
+    QKV projection: the Triton kernels against `TorchOps` on `device` (bf16: within a rounding or two)."""
+    from dynserve.engine.kernels.cpu_ops import TorchOps
+    from dynserve.engine.kernels.triton_ops import TritonOps
+
+    torch_dtype = getattr(torch, dtype)
+    atol = 1e-5 if dtype == "float32" else 3e-2
+    fused, eager = TritonOps(torch_dtype), TorchOps(torch_dtype)
+    generator = torch.Generator().manual_seed(9)
+
+    def rand(*shape: int) -> Any:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=torch_dtype)
+
+    x, residual, weight = rand(5, 96), rand(5, 96), rand(96)
+    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5), eager.rms_norm(x, weight, 1e-5), atol=atol, rtol=atol)
+    residual_fused = residual.clone()
+    normed, updated = fused.add_rms_norm(x, residual_fused, weight, 1e-5)
+    want_normed, want_residual = eager.add_rms_norm(x, residual.clone(), weight, 1e-5)
+    assert updated.data_ptr() == residual_fused.data_ptr()  # in place
+    # one rounding of the same sum: exact in fp32 and on a GPU; under the interpreter, bf16 within one unit
+    # of the last place (its conversion to bf16 does not round to nearest as a GPU's does)
+    ulp = 0 if dtype == "float32" or device.type == "cuda" else 2**-7
+    torch.testing.assert_close(updated, want_residual, atol=0, rtol=ulp)
+    torch.testing.assert_close(normed, want_normed, atol=atol, rtol=atol)
+
+    gate_up = rand(3, 2 * 1100)  # more columns than one program's block
+    torch.testing.assert_close(fused.silu_mul(gate_up), eager.silu_mul(gate_up), atol=atol, rtol=atol)
+
+    heads, kv_heads, head_dim = 4, 2, 32
+    qkv = rand(6, (heads + 2 * kv_heads) * head_dim)
+    positions = torch.tensor([0, 1, 5, 17, 200, 3000], device=device)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    expected = eager.rope_qkv(qkv.clone(), eager.rope_tables(positions, inv_freq), heads, kv_heads, head_dim)
+    actual = fused.rope_qkv(qkv.clone(), fused.rope_tables(positions, inv_freq), heads, kv_heads, head_dim)
+    for got, want in zip(actual, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+
+
+def test_the_model_on_fused_ops_gives_the_torch_ops_logits(tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynserve.engine.kernels import triton_ops
+
+    engine = make_engine(tiny_llama_dir)
+    prompts = [[3, 4, 5, 6, 7], list(range(40, 73))]
+    expected = engine.compute_logits(prompts)
+    model = engine.runner.model
+    monkeypatch.setattr(model, "_ops", triton_ops.TritonOps(torch.float32))
+    torch.testing.assert_close(engine.compute_logits(prompts), expected, atol=1e-4, rtol=1e-4)

@@ -3,6 +3,7 @@
 Every test takes the `cuda` fixture (marker `gpu`): it skips without a CUDA device, and `make test-gpu` /
 `scripts/gpu-run.sh` run them with the kernels compiled (TRITON_INTERPRET=0).
 
+- The fused norm, rope and activation kernels (`triton_ops`) against the eager torch ops.
 - Each kernel against the torch reference backend on the same device, in fp16 and bf16: ragged contexts,
   GQA groups (Llama-3-8B's 32/8 x 128 among them), block boundaries, chunked prefill over a cached prefix,
   padding rows (slot -1) that write nothing.
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import lazy_import
+from test_accelerator_path import check_fused_ops
 from test_triton_kernels import GQA_4_2, LAYER, NUM_LAYERS, SMOLLM2, TOLERANCE, Shape, make_block_tables
 
 torch = lazy_import("torch")
@@ -103,6 +105,11 @@ def test_padding_rows_write_no_kv_on_gpu(cuda):
     changed = (cache != before).nonzero()[:, 0].unique().tolist()
     assert changed == [0, 2]
     assert torch.equal(cache[0, LAYER, 0, 5], key[0]) and torch.equal(cache[2, LAYER, 1, 8], key[2])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_ops_match_the_torch_ops_on_gpu(cuda, dtype):
+    check_fused_ops(cuda, dtype)
 
 
 # ---- the engine -----------------------------------------------------------------------------------------------

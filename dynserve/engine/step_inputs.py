@@ -3,7 +3,7 @@
 On the CPU the model runner builds its tensors from Python lists (`AttentionMetadata.build`). On a GPU
 every small tensor would be its own host-to-device copy, so here the host packs one int32 array per step
 (token ids, positions, each token's sequence, context lengths, query starts, the rows that sample, block
-tables padded to the batch's widest) and moves it with one copy, from pinned memory on CUDA. The slot of
+tables padded to the batch's widest, rounded up to 16) and moves it with one copy, from pinned memory on CUDA. The slot of
 each token (`block_tables[seq, pos // block_size] * block_size + pos % block_size`) is then computed on the
 device, so the host never builds a per-token slot list.
 
@@ -23,6 +23,8 @@ from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 
 __all__ = ["StepInputs", "decode_graph_batch_sizes", "slot_mapping", "upload_step"]
+
+_ALIGN = 16  # int32 elements: 64 bytes
 
 
 @dataclass(slots=True)
@@ -50,16 +52,24 @@ def upload_step(batch: ScheduledBatch, block_size: int, device: torch.device) ->
     """The step's inputs on `device` from one host array (pinned on CUDA) and one copy."""
     num_seqs = len(batch.seqs)
     num_tokens = batch.num_tokens
-    width = max((len(seq.block_table) for seq in batch.seqs), default=0)
+    # the block tables' width a multiple of 16 and every segment 64-byte aligned: Triton specializes its
+    # kernels on pointer alignment and stride divisibility, so varying ones would compile a new variant
+    # mid-serving (about a second each)
+    width = _round_up(max((len(seq.block_table) for seq in batch.seqs), default=0), _ALIGN)
     sampling: list[Sequence] = []
     logits_rows: list[int] = []
     seq_lens: list[int] = []
     query_start_loc = [0]
-    # layout: ids, positions, seq index (num_tokens each) | seq_lens | query_start_loc | logits rows | tables
-    head = 3 * num_tokens
-    host = np.zeros(head + 2 * num_seqs + 1 + num_seqs + num_seqs * width, dtype=np.int32)
-    ids, pos, seq_idx = host[:num_tokens], host[num_tokens : 2 * num_tokens], host[2 * num_tokens : head]
-    tables = host[head + 3 * num_seqs + 1 :].reshape(num_seqs, width)
+    # segments: ids, positions, seq index (num_tokens each), seq_lens, query_start_loc, logits rows, tables
+    sizes = [num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs, num_seqs * width]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + _round_up(size, _ALIGN))
+    host = np.zeros(starts[-1], dtype=np.int32)
+    ids, pos, seq_idx, lens_seg, qsl_seg, rows_seg, tables_seg = (
+        host[start : start + size] for start, size in zip(starts, sizes, strict=False)
+    )
+    tables = tables_seg.reshape(num_seqs, width)
     offset = 0
     for i, (seq, num_new) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
         start = seq.num_computed_tokens
@@ -74,27 +84,33 @@ def upload_step(batch: ScheduledBatch, block_size: int, device: torch.device) ->
         if start + num_new == seq.num_tokens:
             logits_rows.append(end - 1)
             sampling.append(seq)
-    host[head : head + num_seqs] = seq_lens
-    host[head + num_seqs : head + 2 * num_seqs + 1] = query_start_loc
+    lens_seg[:] = seq_lens
+    qsl_seg[:] = query_start_loc
     num_logits = len(logits_rows)
-    host[head + 2 * num_seqs + 1 : head + 2 * num_seqs + 1 + num_logits] = logits_rows
+    rows_seg[:num_logits] = logits_rows
     staged = torch.from_numpy(host)
     if device.type == "cuda":
         staged = staged.pin_memory()
     dev = staged.to(device, non_blocking=True)
-    ids_t, pos_t, seq_idx_t = dev[:num_tokens], dev[num_tokens : 2 * num_tokens], dev[2 * num_tokens : head]
-    block_tables = dev[head + 3 * num_seqs + 1 :].view(num_seqs, width)
+    ids_t, pos_t, seq_idx_t, lens_t, qsl_t, rows_t, tables_t = (
+        dev[start : start + size] for start, size in zip(starts, sizes, strict=False)
+    )
+    block_tables = tables_t.view(num_seqs, width)
     meta = AttentionMetadata(
         slot_mapping=slot_mapping(block_tables, seq_idx_t, pos_t, block_size),
-        query_start_loc=dev[head + num_seqs : head + 2 * num_seqs + 1],
-        seq_lens=dev[head : head + num_seqs],
+        query_start_loc=qsl_t,
+        seq_lens=lens_t,
         block_tables=block_tables,
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
         max_query_len=max(batch.num_new_tokens, default=0),
     )
-    logits_indices = dev[head + 2 * num_seqs + 1 : head + 2 * num_seqs + 1 + num_logits].long()
+    logits_indices = rows_t[:num_logits].long()
     return StepInputs(ids_t.long(), pos_t.long(), meta, logits_indices, sampling)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def decode_graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""A model step's ops other than attention (linear, RMSNorm, rope, SiLU-and-multiply), in two implementations.
+"""A model step's ops other than attention (linear, RMSNorm, rope, SiLU-and-multiply), in two implementations
+here and a third for GPUs (`triton_ops.TritonOps`, fused Triton kernels, chosen on CUDA by `select_ops`).
 
 - `TorchOps`: eager torch. The reference, and the path of every dtype but bf16 on CPU (the fp32 path stays
   exactly what Hugging Face parity tests check).
@@ -24,9 +25,11 @@ import torch.nn.functional as F
 from dynserve.engine import memory
 from dynserve.engine.kernels import cpu_native
 
-__all__ = ["NativeBf16Ops", "PackedWeight", "StepOps", "TorchOps", "USE_NATIVE_OPS", "pack_linear", "select_ops"]
+__all__ = ["NativeBf16Ops", "PackedWeight", "StepOps", "TorchOps", "USE_NATIVE_OPS", "USE_TRITON_OPS", "pack_linear",
+           "select_ops"]
 
 USE_NATIVE_OPS = True
+USE_TRITON_OPS = True  # on CUDA (tests and A/B runs switch it off)
 
 _PANEL = 16  # output columns per packed panel (one fp32 vector of results)
 
@@ -197,9 +200,15 @@ class NativeBf16Ops:
 
 
 def select_ops(dtype: torch.dtype, device: torch.device) -> StepOps:
-    """The native bf16 ops on CPU when the kernels build, the torch ops otherwise."""
+    """The native bf16 ops on CPU when the kernels build; on CUDA the fused Triton ops (`triton_ops`) when
+    Triton imports; the torch ops otherwise."""
     if USE_NATIVE_OPS and dtype == torch.bfloat16 and device.type == "cpu":
         kernels = cpu_native.load()
         if kernels is not None:
             return NativeBf16Ops(kernels)
+    if USE_TRITON_OPS and device.type == "cuda":
+        from dynserve.engine.kernels import triton_ops
+
+        if triton_ops.triton is not None:
+            return triton_ops.TritonOps(dtype)
     return TorchOps(dtype)

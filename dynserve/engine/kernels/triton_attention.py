@@ -47,16 +47,17 @@ class Tuning:
     """Launch parameters of the attention kernels on a GPU (the interpreter ignores warps and stages).
 
     `block_n`: keys per tile (a tile may span several cache blocks); `prefill_max_block_m`: query rows
-    (token x group head) per prefill tile at most. `benchmarks.gpu` sweeps these and reports the best.
+    (token x group head) per prefill tile at most. The defaults are the fastest of `benchmarks.gpu`'s sweep
+    on an H200 (docs/benchmarks.md, "gpu").
     """
 
     decode_block_n: int = 64
     decode_num_warps: int = 4
     decode_num_stages: int = 3
     prefill_max_block_m: int = 128
-    prefill_block_n: int = 64
+    prefill_block_n: int = 128
     prefill_num_warps: int = 8
-    prefill_num_stages: int = 3
+    prefill_num_stages: int = 2
 
 
 TUNING = Tuning()
