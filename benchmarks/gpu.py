@@ -448,6 +448,7 @@ class GpuBench:
             first = self.wall_s(lambda b=batch: generate(b, 1))
             whole = self.wall_s(lambda b=batch: generate(b, new_tokens + 1))
             out[f"b{batch}_step_ms"] = (whole - first) / new_tokens * 1e3
+            out[f"b{batch}_prefill_and_first_token_s"] = first
         out["weight_bytes"] = weight_bytes
         out["streaming_bound_ms"] = weight_bytes / (copy_gbps * 1e9) * 1e3
         out["b1_step_vs_bound"] = out["b1_step_ms"] / out["streaming_bound_ms"]
