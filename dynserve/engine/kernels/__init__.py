@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AttentionMetadata"]
+__all__ = ["AttentionMetadata", "rope_angles"]
 
 
 @dataclass(slots=True)
@@ -74,3 +74,10 @@ class AttentionMetadata:
             seq_lens_cpu=list(seq_lens),
             max_query_len=max(query_lens, default=0),
         )
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin of each position's rotary angles (`[rows, head_dim / 2]`), the step ops' shared
+    rope tables."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()

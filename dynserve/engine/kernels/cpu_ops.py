@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from dynserve.engine import memory
-from dynserve.engine.kernels import cpu_native
+from dynserve.engine.kernels import cpu_native, rope_angles
 
 __all__ = ["NativeBf16Ops", "PackedWeight", "StepOps", "TorchOps", "USE_NATIVE_OPS", "USE_TRITON_OPS", "pack_linear",
            "select_ops"]
@@ -127,7 +127,7 @@ class TorchOps:
         return F.silu(gate) * up
 
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = _rope_angles(positions, inv_freq)
+        cos, sin = rope_angles(positions, inv_freq)
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def rope_qkv(
@@ -139,12 +139,6 @@ class TorchOps:
         q = _rotate(qkv[:, :q_dim].view(n, num_heads, head_dim), cos, sin)
         k = _rotate(qkv[:, q_dim : q_dim + kv_dim].view(n, num_kv_heads, head_dim), cos, sin)
         return q, k, qkv[:, q_dim + kv_dim :].view(n, num_kv_heads, head_dim)
-
-
-def _rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin of each position's angles."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -189,7 +183,7 @@ class NativeBf16Ops:
         return self._k.silu_mul(gate_up)
 
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rope_angles(positions, inv_freq)  # fp32: the kernel rotates in fp32
+        return rope_angles(positions, inv_freq)  # fp32: the kernel rotates in fp32
 
     def rope_qkv(
         self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dynserve.engine.kernels.cpu_ops import Weight, _rope_angles
+from dynserve.engine.kernels import rope_angles
 
 try:
     import triton
@@ -89,7 +89,7 @@ class TritonOps:
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def prepare(self, weight: torch.Tensor) -> Weight:
+    def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,7 @@ class TritonOps:
         return out
 
     def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return _rope_angles(positions, inv_freq)  # fp32: the kernel rotates in fp32
+        return rope_angles(positions, inv_freq)  # fp32: the kernel rotates in fp32
 
     def rope_qkv(
         self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,
