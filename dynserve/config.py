@@ -109,6 +109,9 @@ class Settings(BaseSettings):
                                    "(dynctl gateway; repeat the flag): 'vllm=http://HOST:PORT[;events=tcp://HOST:PORT]"
                                    "[;replay=tcp://HOST:PORT][;id=NAME]' (vLLM, its KV events relayed to the router) "
                                    "or 'openai=http://HOST:PORT' (any other)", json_schema_extra=_CLUSTER)
+    attach_wait_s: float = Field(600.0, ge=0, description="dynctl attach / gateway --worker-url: how long to wait "
+                                 "for a server to answer at start (one still loading its model), then fail",
+                                 json_schema_extra=_CLUSTER)
     # Addresses are the node's: a worker inside Ray reads them from its own process's environment
     # (DYN_ADVERTISE_HOST, DYN_BIND_HOST: a pod sets its pod IP), not from the settings its driver sent.
     advertise_host: str | None = Field(

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -246,6 +247,40 @@ def standin_gateway(dynctl: str) -> Iterator[tuple[str, list[Any]]]:
 def _hits(server: Any) -> float:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     return float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.MULTILINE).group(1))
+
+
+def test_attaching_waits_for_a_server_still_starting_and_gives_up_naming_the_wait() -> None:
+    """A sidecar's `dynctl attach` starts beside a server still loading its model: it waits for the server
+    to answer, saying so, and after `attach_wait_s` fails naming the wait."""
+    import threading
+
+    from benchmarks._services import free_port
+    from dynserve.errors import WorkerUnavailableError
+    from dynserve.workers.attached import describe_when_up
+
+    heard: list[str] = []
+    port = free_port()
+    with pytest.raises(WorkerUnavailableError, match=r"waited 0\.5 s"):
+        asyncio.run(describe_when_up(parse_worker_url(f"vllm=http://127.0.0.1:{port}"), worker_id="w",
+                                     block_size=32, wait_s=0.5, poll_s=0.1, say=heard.append))
+    assert heard and f"waiting for http://127.0.0.1:{port}" in heard[0]
+
+    # a server that comes up a second after the attacher started waiting for it
+    repo = Path(__file__).resolve().parent.parent
+    argv = [sys.executable, "-m", "benchmarks.vllm_standin", "--port", str(port), "--model", "SmolLM2"]
+    started: list[subprocess.Popen[bytes]] = []
+    later = threading.Timer(1.0, lambda: started.append(subprocess.Popen(
+        argv, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdin=subprocess.DEVNULL)))
+    later.start()
+    try:
+        info = asyncio.run(describe_when_up(parse_worker_url(f"vllm=http://127.0.0.1:{port}"), worker_id="w",
+                                            block_size=16, wait_s=60, poll_s=0.2))
+    finally:
+        later.join()
+        for process in started:
+            process.kill()
+            process.wait()
+    assert info.engine == "vllm" and (info.block_size, info.num_blocks) == (32, 256)  # the server's own
 
 
 def test_standins_serve_through_the_gateway_and_repeated_prefixes_land_where_they_are_cached(

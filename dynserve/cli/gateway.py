@@ -21,7 +21,7 @@ from typing import Any
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 from dynserve.events.base import EventPlane
-from dynserve.workers.attached import AttachedWorker, WorkerUrl, describe_server, parse_worker_url
+from dynserve.workers.attached import AttachedWorker, WorkerUrl, describe_when_up, parse_worker_url
 
 __all__ = ["attach", "gateway"]
 
@@ -76,10 +76,15 @@ async def _gateway(settings: Settings, tokenizer: Any, specs: list[WorkerUrl]) -
 
 
 async def _attach(settings: Settings, registry: EventPlane, specs: list[WorkerUrl]) -> list[AttachedWorker]:
-    """The `--worker-url` servers described, registered on `registry` and their KV events relayed."""
+    """The `--worker-url` servers described (each waited for up to `attach_wait_s`), registered on `registry`
+    and their KV events relayed."""
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     infos = await asyncio.gather(*(
-        describe_server(spec, worker_id=spec.worker_id or f"{spec.engine}-{i}", block_size=settings.block_size,
-                        max_model_len=settings.max_model_len) for i, spec in enumerate(specs)))
+        describe_when_up(spec, worker_id=spec.worker_id or f"{spec.engine}-{i}", block_size=settings.block_size,
+                         max_model_len=settings.max_model_len, wait_s=settings.attach_wait_s, say=say)
+        for i, spec in enumerate(specs)))
     attached = [AttachedWorker(registry, info, spec, lease_s=settings.worker_lease_s)
                 for info, spec in zip(infos, specs, strict=True)]
     for worker in attached:

@@ -25,7 +25,7 @@ from dynserve.events.vllm import VllmEventRelay, VllmTranslator
 from dynserve.protocol import WorkerInfo
 from dynserve.workers.registration import Registration
 
-__all__ = ["AttachedWorker", "WorkerUrl", "describe_server", "parse_worker_url"]
+__all__ = ["AttachedWorker", "WorkerUrl", "describe_server", "describe_when_up", "parse_worker_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,28 @@ async def describe_server(spec: WorkerUrl, *, worker_id: str, block_size: int, m
                       model_id=card["id"], max_model_len=int(context), block_size=block_size,
                       num_blocks=num_blocks, metrics_port=parts.port if spec.engine == "vllm" else None,
                       engine=spec.engine)
+
+
+async def describe_when_up(spec: WorkerUrl, *, worker_id: str, block_size: int, max_model_len: int | None = None,
+                           wait_s: float, poll_s: float = 1.0, say: Any = None) -> WorkerInfo:
+    """`describe_server`, retried while the server does not answer yet (a sidecar starts beside a server
+    still loading its model), for at most `wait_s`; `say` hears one line when waiting starts and one every
+    30 s. Raises the last WorkerUnavailableError, naming the wait, once it is over."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    next_word = loop.time()
+    while True:
+        try:
+            return await describe_server(spec, worker_id=worker_id, block_size=block_size,
+                                         max_model_len=max_model_len, timeout_s=min(10.0, max(poll_s, 1.0)))
+        except WorkerUnavailableError as exc:
+            now = loop.time()
+            if now >= deadline:
+                raise WorkerUnavailableError(f"{exc} (waited {wait_s:g} s)", worker_id=worker_id) from exc
+            if say is not None and now >= next_word:
+                say(f"waiting for {spec.url} to answer ({exc})")
+                next_word = now + 30.0
+            await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)))
 
 
 class AttachedWorker:
