@@ -7,6 +7,7 @@ would show) masks them; `secret(name)` gives the value to the code that presents
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr
@@ -318,3 +319,11 @@ class Settings(BaseSettings):
         "metrics" or "planner")."""
         return [name for name, f in cls.model_fields.items()
                 if (f.json_schema_extra or {}).get("group", "engine") == group]  # type: ignore[union-attr]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now (the OS's pick; another process could take it before it is bound): for a
+    process that must name its port before it serves (Prometheus, vLLM's server and its event sockets)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,10 +27,11 @@ from typing import Self
 
 import httpx
 
+from dynserve.config import free_port
 from dynserve.errors import PrometheusError
 from dynserve.observability.rules import render_rules
 
-__all__ = ["PrometheusServer", "free_port", "scrape_config"]
+__all__ = ["PrometheusServer", "scrape_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,13 +80,6 @@ def _authorization(credentials_file: str | None, indent: int) -> str:
 def _duration(seconds: float) -> str:
     milliseconds = round(seconds * 1000)
     return f"{milliseconds // 1000}s" if milliseconds % 1000 == 0 else f"{milliseconds}ms"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (the OS's pick; another process could take it before it is bound)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class PrometheusServer:

@@ -17,13 +17,12 @@ import logging
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from dynserve.config import Settings
+from dynserve.config import Settings, free_port
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 from dynserve.protocol import WorkerInfo
 from dynserve.workers.attached import AttachedWorker, WorkerUrl, describe_server
@@ -39,12 +38,6 @@ def _end_with_parent() -> None:
     import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def vllm_argv(settings: Settings, *, host: str, port: int, events_port: int, replay_port: int) -> list[str]:
@@ -90,7 +83,7 @@ class VllmWorker:
     async def start(self, timeout_s: float = 900.0) -> WorkerInfo:
         if self._info is not None:
             return self._info
-        port, events_port, replay_port = (_free_port(self.bind_host) for _ in range(3))
+        port, events_port, replay_port = (free_port(self.bind_host) for _ in range(3))
         argv = vllm_argv(self._settings, host=self.bind_host, port=port, events_port=events_port,
                          replay_port=replay_port)
         logger.info("worker %s: starting vLLM: %s", self.worker_id, shlex.join(argv))
