@@ -116,3 +116,16 @@ def test_policy_rejects_values_that_mean_nothing() -> None:
             RoutingPolicy(**bad)
     with pytest.raises(ValueError):
         choose(1, {}, [], {}, NO_GUARD)
+
+
+def test_a_new_prompt_goes_to_the_emptiest_cache_among_the_least_loaded() -> None:
+    """Equally loaded workers holding none of the prompt: the one whose cache holds the fewest blocks, so
+    new prefixes spread over the caches; load and overlap still come first."""
+    cached = {"a": 300, "b": 40, "c": 10, "d": 0}.__getitem__
+    idle = {"a": 0, "b": 0, "c": 0, "d": 5}
+    assert choose(8, {}, ["a", "b", "c", "d"], idle, NO_GUARD, cached_blocks=cached) == Decision("c", 0)
+    assert choose(8, {}, ["a", "b", "c", "d"], idle, NO_GUARD) == Decision("a", 0)  # without it: the first
+    # load first: d's cache is empty but it is busier
+    assert choose(8, {}, ["a", "d"], idle, NO_GUARD, cached_blocks=cached).worker_id == "a"
+    # overlap first: a holds most of the prompt
+    assert choose(8, {"a": 6}, ["a", "b", "c"], idle, NO_GUARD, cached_blocks=cached) == Decision("a", 6)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -92,13 +92,16 @@ def is_hot_spot(active_blocks: Sequence[int], policy: RoutingPolicy) -> bool:
 
 def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequence[str],
            active_blocks: Mapping[str, int], policy: RoutingPolicy,
-           rng: random.Random | None = None) -> Decision:
+           rng: random.Random | None = None, cached_blocks: Callable[[str], int] | None = None) -> Decision:
     """The worker among `candidates` (in preference order for ties) for a prompt of `num_prompt_blocks`
     blocks, given each worker's prefix overlap (`overlaps`, workers absent hold none; workers that are not
     candidates are ignored) and load (`active_blocks`, absent: 0).
 
     Equal to `select(costs(...), temperature, rng)` over the candidates unless the hot-spot guard fires;
-    exactly so while costs stay below 2**52 (any real block count)."""
+    exactly so while costs stay below 2**52 (any real block count). With `cached_blocks` (the blocks a
+    worker's cache holds), equally loaded workers that hold none of the prompt are ranked by it first: a new
+    prompt goes to the emptiest cache, so new prefixes spread over the caches instead of filling the first
+    candidate's (the role of sglang's smallest-tree pick)."""
     loads = _loads(candidates, active_blocks)
     if is_hot_spot(loads, policy):
         return _least_loaded(overlaps, candidates, loads)
@@ -106,7 +109,7 @@ def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequ
         worker_costs = costs(num_prompt_blocks, overlaps, dict(zip(candidates, loads)), policy.overlap_weight)
         chosen = select(worker_costs, policy.temperature, rng)
         return Decision(chosen, overlaps.get(chosen, 0))
-    return _cheapest(num_prompt_blocks, overlaps, candidates, loads, policy.overlap_weight)
+    return _cheapest(num_prompt_blocks, overlaps, candidates, loads, policy.overlap_weight, cached_blocks)
 
 
 def _loads(candidates: Sequence[str], active_blocks: Mapping[str, int]) -> Sequence[int]:
@@ -122,12 +125,20 @@ def _loads(candidates: Sequence[str], active_blocks: Mapping[str, int]) -> Seque
 
 
 def _cheapest(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequence[str],
-              loads: Sequence[int], overlap_weight: float) -> Decision:
+              loads: Sequence[int], overlap_weight: float,
+              cached_blocks: Callable[[str], int] | None = None) -> Decision:
     """Lowest (cost, position). A candidate holding none of the prompt costs `w * P + load`, so among
     those the first least loaded wins; the only other contenders are the workers with overlap. (When the
     least loaded holds some of the prompt, its cost is at most `w * P + min_load`, and it comes before
-    every other candidate of that load, so no worker without overlap can beat it either.)"""
-    least = loads.index(min(loads))  # the first least loaded candidate
+    every other candidate of that load, so no worker without overlap can beat it either.) With
+    `cached_blocks`, the least loaded is the one of them whose cache holds the fewest blocks (then the
+    first); a worker with overlap still wins a tie of cost only by coming earlier."""
+    min_load = min(loads)
+    least = loads.index(min_load)  # the first least loaded candidate
+    if cached_blocks is not None and loads.count(min_load) > 1:
+        tied = [i for i, load in enumerate(loads) if load == min_load and not overlaps.get(candidates[i])]
+        if tied:
+            least = min(tied, key=lambda i: (cached_blocks(candidates[i]), i))
     least_id = candidates[least]
     best_overlap = overlaps.get(least_id, 0)
     best_cost = overlap_weight * (num_prompt_blocks - best_overlap) + loads[least]

@@ -115,7 +115,8 @@ class Router:
         now_s = self._clock() if self.memory is not None else 0.0
         start_s = time.perf_counter()
         overlaps = self.memory.match(hashes, now_s) if self.memory is not None else self.index.match(hashes)
-        decision = choose(len(hashes), overlaps, candidates, self._active, self.policy, self._rng)
+        decision = choose(len(hashes), overlaps, candidates, self._active, self.policy, self._rng,
+                          cached_blocks=self.index.num_worker_blocks)
         decision_s = time.perf_counter() - start_s
         if self.memory is not None:
             self.memory.remember(decision.worker_id, hashes, now_s)
