@@ -370,6 +370,7 @@ def _write_tiny_gguf(path: Path, chat_template: str | None) -> None:
     tokens = ["<s>", "</s>", *byte_chars, "ab", "abc", "<think>"]
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")  # a GGUF without it is refused (gguf_pretokenizers)
     writer.add_token_list(tokens)
     writer.add_token_types([3, 3] + [1] * (len(tokens) - 3) + [4])  # control, normal, user-defined
     writer.add_token_merges(["a b", "ab c"])

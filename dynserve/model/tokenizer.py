@@ -27,12 +27,13 @@ from typing import Any
 
 import jinja2
 import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models
 
 from dynserve.errors import TokenizerError
 from dynserve.model.chat_template import compile_chat_template, plain_message
 from dynserve.model.detokenizer import IncrementalDetokenizer
 from dynserve.model.gguf_metadata import read_gguf_metadata
+from dynserve.model.gguf_pretokenizers import gguf_pre_tokenizer
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "ids_in_vocab"]
 
@@ -147,17 +148,19 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """From a byte-level BPE GGUF (`tokenizer.ggml.model` "gpt2") whose `tokenizer.ggml.pre` names a
+        pre-tokenizer of `gguf_pretokenizers`; anything else is refused by name (TokenizerError)."""
         metadata = read_gguf_metadata(path)
         model = metadata.get("tokenizer.ggml.model")
         if model != "gpt2" or "tokenizer.ggml.tokens" not in metadata:
-            raise TokenizerError(f"{path}: tokenizer model {model!r} is not supported (only byte-level gpt2)")
+            raise TokenizerError(f"{path}: tokenizer model {model!r} (tokenizer.ggml.model) is not supported; "
+                                 "supported: 'gpt2' (byte-level BPE)")
+        pre = gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre"), str(path))
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
         merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
-        raw = tokenizers.Tokenizer(models.BPE({token: i for i, token in enumerate(tokens)}, merges))
-        raw.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])  # fmt: skip
+        vocab = {token: i for i, token in enumerate(tokens)}
+        raw = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+        raw.pre_tokenizer = pre.build()
         raw.decoder = decoders.ByteLevel()
         token_types = metadata.get("tokenizer.ggml.token_type", [])
         raw.add_special_tokens(_added_tokens(tokens, token_types, _GGUF_TOKEN_TYPE_CONTROL, special=True))
@@ -165,7 +168,7 @@ class Tokenizer:
         special = _SpecialTokens(
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
-            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos_default)),
         )
         return cls(raw, special, metadata.get("tokenizer.chat_template"))
 
