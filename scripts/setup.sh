@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up: Debian services (Redis, Prometheus) if missing, the virtualenv, torch first and alone
 # (a CPU build; a bare `torch` requirement would pull a multi-GB CUDA build), the pinned requirements, checkov
-# (the manifests' security checks), the bundled default model, and dynserve in editable mode. Re-running it does nothing when nothing changed.
+# (the manifests' security checks), the bundled default model, dynserve in editable mode, and llama.cpp's
+# tokenizer test files. Re-running it does nothing when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -35,4 +36,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" --no-deps -e .
   echo "$want" > "$stamp"
 fi
+# llama.cpp's tokenizer test files for tests/test_gguf_tokenizers.py (once, into the user's cache)
+VENV="$VENV" bash scripts/llama-vocab.sh
 echo "setup: ready ($VENV)"

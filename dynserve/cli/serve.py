@@ -126,7 +126,7 @@ def _banner(settings: Settings, model_id: str, port: int, prometheus_url: str | 
 def serve(settings: Settings) -> int:
     import uvloop
 
-    from dynserve.model.resolve import resolve_model_path
+    from dynserve.model.resolve import check_engine_architecture, resolve_model_path
     from dynserve.model.tokenizer import Tokenizer
 
     check_layout(settings)
@@ -134,7 +134,10 @@ def serve(settings: Settings) -> int:
         from dynserve.cli.planning import planner_settings
 
         settings = planner_settings(settings)
-    tokenizer = Tokenizer.load(resolve_model_path(settings.model))  # fails fast on a bad --model
+    model_path = resolve_model_path(settings.model)
+    tokenizer = Tokenizer.load(model_path)  # fails fast on a bad --model, or a tokenizer we cannot match
+    if settings.engine == "dynserve" and settings.mocker is None:
+        check_engine_architecture(model_path)  # before Ray: else every worker would fail to load it
     settings = with_fleet_token(settings)
     started_ray = start_ray(settings)
     try:

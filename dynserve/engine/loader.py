@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dynserve.errors import ModelLoadError
-from dynserve.model.resolve import model_id_of, resolve_model_path
+from dynserve.model.resolve import SUPPORTED_ARCHITECTURES, model_id_of, resolve_model_path
 
 if TYPE_CHECKING:  # torch is imported where weights are built, so resolving paths and ids needs none
     import torch
 
 __all__ = ["ModelConfig", "load_model_weights"]
 
-_SUPPORTED_ARCHITECTURES = {"llama", "LlamaForCausalLM", "MistralForCausalLM"}
+_SUPPORTED_ARCHITECTURES = SUPPORTED_ARCHITECTURES  # shared with `dynctl serve`'s check before Ray
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",

@@ -1,18 +1,26 @@
-"""Which model to serve: a path resolved from what the user gave (or the bundled default), and the id it is
-served and hashed under. No torch and no weights: the gateway, the mocker and the engine all resolve here.
+"""Which model to serve: a path resolved from what the user gave (or the bundled default), the id it is
+served and hashed under, and whether dynserve's engine runs its architecture (`check_engine_architecture`,
+read from the GGUF header or config.json, so `dynctl serve` refuses before any worker starts). No torch and
+no weights: the gateway, the mocker and the engine all resolve here.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
 from dynserve.errors import ModelLoadError
 
-__all__ = ["DEFAULT_MODEL_ID", "default_model_path", "model_id_of", "resolve_model_path"]
+__all__ = [
+    "DEFAULT_MODEL_ID", "SUPPORTED_ARCHITECTURES", "check_engine_architecture", "default_model_path", "model_id_of",
+    "resolve_model_path",
+]
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# what dynserve's engine runs (engine/models/llama.py): a GGUF's general.architecture, config.json's architectures
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "LlamaForCausalLM", "MistralForCausalLM"})
 
 
 def default_model_path() -> Path:
@@ -42,3 +50,22 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> Path:
 def model_id_of(path: Path) -> str:
     """The id a model is served and hashed under: the directory's name, or the GGUF file's up to its first dot."""
     return path.name if path.is_dir() else path.name.split(".")[0]
+
+
+def check_engine_architecture(path: Path) -> None:
+    """ModelLoadError naming the architecture when dynserve's engine cannot run the model at `path` (a resolved
+    path); reads only the GGUF header or config.json. The engine's loader checks the same set again."""
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text("utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read {path / 'config.json'}: {exc}", path=str(path)) from exc
+        architectures = config.get("architectures") or [config.get("model_type", "?")]
+    else:
+        from dynserve.model.gguf_metadata import read_gguf_metadata
+
+        architectures = [read_gguf_metadata(path).get("general.architecture", "?")]
+    if not SUPPORTED_ARCHITECTURES.intersection(architectures):
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise ModelLoadError(f"{path}: architecture {architectures[0]!r} is not supported by dynserve's engine "
+                             f"(supported: {supported}); --engine vllm serves it with vLLM", path=str(path))
