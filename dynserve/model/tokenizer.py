@@ -2,7 +2,8 @@
 
 A `Tokenizer` is built either from a GGUF file's metadata (`tokenizer.ggml.*`) or from a Hugging Face
 directory (`tokenizer.json`, `tokenizer_config.json`), and in both cases wraps a `tokenizers.Tokenizer`.
-Only byte-level BPE (GPT-2 style: SmolLM, Llama 3, Qwen, ...) is supported.
+Only byte-level BPE (GPT-2 style: SmolLM, Llama 3, Qwen, ...) is supported; a GGUF's pre-tokenizer comes from
+`gguf_pretokenizers` by its `tokenizer.ggml.pre`, and one it does not know is refused by name.
 
 Invariants kept here:
 - `encode` never inserts special tokens except one leading BOS when the model asks for it
@@ -281,8 +282,9 @@ class Tokenizer:
 
 
 class _AsciiWords:
-    """ASCII text to ids 6-10x faster than `tokenizers` does it, for the pre-tokenizer our GGUF tokenizers
-    use (SmolLM's: each digit apart, then GPT-2's byte-level pattern).
+    """ASCII text to ids 6-10x faster than `tokenizers` does it, for SmolLM's pre-tokenizer (each digit apart,
+    then GPT-2's byte-level pattern: GGUFs whose tokenizer.ggml.pre is smollm, starcoder, refact or command-r).
+    Any other pre-tokenizer (llama-bpe, qwen2, ...) fails the JSON match below and keeps the library's path.
 
     `tokenizers` spends most of an encode in that pattern (Oniguruma, with a look-ahead). On ASCII text the
     pattern's Unicode classes are plain ASCII ranges, so Python's `re` splits the text the same way (the
