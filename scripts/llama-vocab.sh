@@ -7,11 +7,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 VERSION=0.3.36
-# with .inp/.out: the vocabularies dynserve claims; GGUF only: some it must refuse by name
-TESTED=(command-r deepseek-coder deepseek-llm falcon gpt-2 llama-bpe mpt qwen2 qwen35 refact starcoder)
-REFUSED=(bert-bge llama-spm phi-3)
+# with .inp/.out: the vocabularies dynserve claims (byte-level BPE, then SentencePiece); GGUF only: some it
+# must refuse by name
+TESTED=(command-r deepseek-coder deepseek-llm falcon gpt-2 llama-bpe mpt qwen2 qwen35 refact starcoder llama-spm phi-3)
+REFUSED=(bert-bge gemma-4)
 cache="${XDG_CACHE_HOME:-$HOME/.cache}/dynserve/llama-vocab/$VERSION"
-[ -f "$cache/complete" ] && exit 0
+# `complete` lists what was extracted: a cache made for another list is filled again
+want="tested: ${TESTED[*]}; refused: ${REFUSED[*]}"
+[ "$(cat "$cache/complete" 2>/dev/null)" = "$want" ] && exit 0
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -26,5 +29,5 @@ done
 for name in "${REFUSED[@]}"; do members+=("$prefix/ggml-vocab-$name.gguf"); done
 tar -xzf "$work/llama_cpp_python-$VERSION.tar.gz" -C "$work" "${members[@]}"
 mkdir -p "$cache"
-mv "$work/$prefix"/ggml-vocab-* "$cache/"
-touch "$cache/complete"
+mv -f "$work/$prefix"/ggml-vocab-* "$cache/"
+echo "$want" > "$cache/complete"

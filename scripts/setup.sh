@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up: Debian services (Redis, Prometheus) if missing, the virtualenv, torch first and alone
 # (a CPU build; a bare `torch` requirement would pull a multi-GB CUDA build), the pinned requirements, checkov
-# (the manifests' security checks), the bundled default model, dynserve in editable mode, and llama.cpp's
-# tokenizer test files. Re-running it does nothing when nothing changed.
+# (the manifests' security checks), the bundled default model, dynserve in editable mode, llama.cpp's
+# tokenizer test files and Gemma 3 270M (a SentencePiece model). Re-running it does nothing when nothing changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -38,4 +38,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 # llama.cpp's tokenizer test files for tests/test_gguf_tokenizers.py (once, into the user's cache)
 VENV="$VENV" bash scripts/llama-vocab.sh
+# Gemma 3 270M, the SentencePiece model of the tests and benchmarks (once, into the user's cache)
+VENV="$VENV" bash scripts/gemma.sh
+VENV="$VENV" bash scripts/llama-convert.sh  # llama.cpp's HF-to-GGUF converter, for tests/_tiny_models.py
 echo "setup: ready ($VENV)"

@@ -219,6 +219,18 @@ def tokenizer() -> Any:
 
 
 @pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Gemma 3 270M's GGUF (a SentencePiece tokenizer), fetched by `make setup` (scripts/gemma.sh); the test
+    skips, saying so, where it is absent."""
+    from benchmarks._models import gemma_gguf_path
+
+    try:
+        return gemma_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
 @needs("model")
 def hf_model() -> Any:
     """Hugging Face transformers' model loaded from the same GGUF file (the parity reference).

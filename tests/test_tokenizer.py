@@ -399,7 +399,8 @@ def test_gguf_with_add_bos_token_gets_one_bos(tmp_path: Path) -> None:
 def test_gguf_user_defined_tokens_are_matched_but_never_skipped(tmp_path: Path) -> None:
     _write_tiny_gguf(tmp_path / "tiny.gguf", chat_template=None)
     tiny = Tokenizer.load(tmp_path / "tiny.gguf")
-    assert tiny.encode("<s>a<think>") == [0, 0, tiny.encode("a")[1], 260]
+    assert tiny.encode("<s>a<think>") == [0, tiny.encode("a")[1], 260]  # text that begins with the BOS keeps one
+    assert tiny.encode("a<s>") == [0, tiny.encode("a")[1], 0]
     assert tiny.decode(tiny.encode("<s>a<think>")) == "a<think>"
     assert "".join(_stream(tiny.detokenizer(), tiny.encode("<s>a<think>"))) == "a<think>"
 

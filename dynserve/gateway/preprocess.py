@@ -92,7 +92,8 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens
-    params = _sampling_params(request, len(prompt), max_model_len, max_tokens, logprobs, "messages")
+    params = _sampling_params(request, len(prompt), max_model_len, max_tokens, logprobs, "messages",
+                              tokenizer.end_of_generation_ids - {tokenizer.eos_token_id})
     return Prepared([prompt], params)
 
 
@@ -126,14 +127,17 @@ def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_mod
     max_tokens = request.max_tokens
     if max_tokens is None:
         max_tokens = min(COMPLETION_DEFAULT_MAX_TOKENS, max_model_len - longest)
-    params = _sampling_params(request, longest, max_model_len, max_tokens, request.logprobs, "prompt")
+    params = _sampling_params(request, longest, max_model_len, max_tokens, request.logprobs, "prompt",
+                              tokenizer.end_of_generation_ids - {tokenizer.eos_token_id})
     return Prepared(prompts, params)
 
 
 def _sampling_params(
     request: _SamplingFields, prompt_len: int, max_model_len: int, max_tokens: int | None,
-    logprobs: int | None, prompt_param: str,
+    logprobs: int | None, prompt_param: str, end_ids: frozenset[int],
 ) -> list[SamplingParams]:
+    """`end_ids`: the model's other ends of generation besides its EOS (Gemma's `<end_of_turn>`, ...); like
+    the EOS, the request stops at them unless it asks to ignore EOS."""
     if prompt_len >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
@@ -157,7 +161,7 @@ def _sampling_params(
         presence_penalty=request.presence_penalty,
         frequency_penalty=request.frequency_penalty,
         stop=stop,
-        stop_token_ids=tuple(request.stop_token_ids or ()),
+        stop_token_ids=(*(request.stop_token_ids or ()), *(() if request.ignore_eos else sorted(end_ids))),
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
     )

@@ -15,7 +15,33 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynserve.errors import TokenizerError
 
-__all__ = ["compile_chat_template", "plain_message"]
+__all__ = ["GEMMA_CHAT_TEMPLATE", "compile_chat_template", "default_chat_template", "plain_message"]
+
+# Gemma's turn format, for a Gemma GGUF that carries no template of its own (Gemma 3 270M's does not):
+#   <bos><start_of_turn>user\n{system}\n\n{user}<end_of_turn>\n<start_of_turn>model\n{reply}<end_of_turn>\n
+# Gemma has no system role: a system message goes in front of the first user message, a blank line between.
+# Roles must alternate user / assistant after it; "assistant" is written "model"; contents are trimmed.
+GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
+{%- set first = messages[0] if messages else none -%}
+{%- set system = first['content'] | trim + '\n\n' if first and first['role'] == 'system' else '' -%}
+{%- set turns = messages[1:] if system else messages -%}
+{%- for message in turns -%}
+  {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+    {{ raise_exception('Gemma needs the roles to alternate user/assistant/user/... after a system message') }}
+  {%- endif -%}
+  {{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' }}
+  {{- (system if loop.first else '') + message['content'] | trim }}<end_of_turn>{{ '\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"""
+
+# architectures (general.architecture) whose format is known, for GGUFs without tokenizer.chat_template
+_DEFAULT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE, "gemma2": GEMMA_CHAT_TEMPLATE, "gemma3": GEMMA_CHAT_TEMPLATE}
+
+
+def default_chat_template(architecture: str | None) -> str | None:
+    """The chat template for a GGUF that has none, by its architecture: Gemma's turn format for the Gemma
+    family, else None (such a model serves completions only and refuses chats, as before)."""
+    return _DEFAULT_TEMPLATES.get(architecture or "")
 
 
 def compile_chat_template(source: str) -> jinja2.Template:

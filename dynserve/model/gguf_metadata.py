@@ -24,7 +24,7 @@ _GGUF_SCALAR_FORMATS = {
     GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
     GGUFValueType.INT64: "<q", GGUFValueType.FLOAT64: "<d",
 }  # fmt: skip
-
+_LENGTH = struct.Struct("<Q")  # a string's length in bytes, in front of it
 
 
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -67,6 +67,14 @@ def _read_gguf_value(buffer: mmap.mmap, offset: int, value_type: int) -> tuple[A
         dtype = np.dtype(_GGUF_SCALAR_FORMATS[element_type])
         values = np.frombuffer(buffer, dtype=dtype, count=num_elements, offset=offset).tolist()
         return values, offset + dtype.itemsize * num_elements
+    if element_type == GGUFValueType.STRING:  # a vocabulary: 262k tokens for Gemma, so one tight loop
+        strings, unpack_length = [], _LENGTH.unpack_from
+        for _ in range(num_elements):
+            (num_bytes,) = unpack_length(buffer, offset)
+            offset += 8
+            strings.append(buffer[offset : offset + num_bytes].decode("utf-8"))
+            offset += num_bytes
+        return strings, offset
     elements = []
     for _ in range(num_elements):
         element, offset = _read_gguf_value(buffer, offset, element_type)
