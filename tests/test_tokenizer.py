@@ -365,14 +365,19 @@ def test_chat_template_errors_are_tokenizer_errors(tokenizer: Tokenizer) -> None
 # --- other sources: a small handmade GGUF, a Hugging Face directory ---------------------------------------
 
 
-def _write_tiny_gguf(path: Path, chat_template: str | None) -> None:
+def _write_tiny_gguf(path: Path, chat_template: str | None, control: tuple[str, ...] = (),
+                     eot_token_id: int | None = None) -> None:
+    """Ids: <s> 0, </s> 1, the 256 byte characters, ab 258, abc 259, <think> 260, then `control` from 261."""
     byte_chars = list(_gpt2_bytes_to_unicode().values())
-    tokens = ["<s>", "</s>", *byte_chars, "ab", "abc", "<think>"]
+    tokens = ["<s>", "</s>", *byte_chars, "ab", "abc", "<think>", *control]
     writer = gguf.GGUFWriter(str(path), arch="llama")
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")  # a GGUF without it is refused (gguf_pretokenizers)
     writer.add_token_list(tokens)
-    writer.add_token_types([3, 3] + [1] * (len(tokens) - 3) + [4])  # control, normal, user-defined
+    # control, normal, user-defined
+    writer.add_token_types([3, 3] + [1] * (len(tokens) - 3 - len(control)) + [4] + [3] * len(control))
+    if eot_token_id is not None:
+        writer.add_eot_token_id(eot_token_id)
     writer.add_token_merges(["a b", "ab c"])
     writer.add_bos_token_id(0)
     writer.add_eos_token_id(1)
@@ -405,6 +410,23 @@ def test_gguf_user_defined_tokens_are_matched_but_never_skipped(tmp_path: Path) 
     assert "".join(_stream(tiny.detokenizer(), tiny.encode("<s>a<think>"))) == "a<think>"
 
 
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>'"
+          " + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def test_a_generation_ends_where_the_template_closes_a_reply(tmp_path: Path) -> None:
+    # ChatML closes every message with <|im_end|>, a special token other than this model's EOS (</s>)
+    _write_tiny_gguf(tmp_path / "chatml.gguf", CHATML, control=("<|im_start|>", "<|im_end|>"))
+    chatml = Tokenizer.load(tmp_path / "chatml.gguf")
+    assert chatml.end_of_generation_ids == {1, 262} and chatml.eos_token_id == 1
+    # a template whose reply ends in plain text adds nothing; the GGUF's eot_token_id is an end all the same
+    plain = "{% for message in messages %}{{ message['content'] }}\n### {% endfor %}"
+    _write_tiny_gguf(tmp_path / "plain.gguf", plain, control=("<|im_end|>",), eot_token_id=261)
+    assert Tokenizer.load(tmp_path / "plain.gguf").end_of_generation_ids == {1, 261}
+    _write_tiny_gguf(tmp_path / "none.gguf", chat_template=None)  # no template: the EOS alone
+    assert Tokenizer.load(tmp_path / "none.gguf").end_of_generation_ids == {1}
+
+
 def test_model_without_chat_template_refuses_chat(tmp_path: Path) -> None:
     _write_tiny_gguf(tmp_path / "tiny.gguf", chat_template=None)
     with pytest.raises(TokenizerError, match="no chat template"):
@@ -431,6 +453,16 @@ def test_pretrained_dir_matches_the_gguf(tokenizer: Tokenizer, hf_tokenizer, tmp
             assert from_dir.encode(text) == tokenizer.encode(text), text
     conversation = CONVERSATIONS["multi_turn"]
     assert from_dir.apply_chat_template(conversation) == tokenizer.apply_chat_template(conversation)
+
+
+def test_pretrained_dir_ends_at_generation_configs_eos_list(hf_tokenizer, tmp_path: Path) -> None:
+    hf_tokenizer.save_pretrained(tmp_path)
+    assert Tokenizer.load(tmp_path).end_of_generation_ids == {2}  # <|im_end|>: EOS and the template's end
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    assert Tokenizer.load(tmp_path).end_of_generation_ids == {0, 2}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ["</s>"]}))
+    with pytest.raises(TokenizerError, match="eos_token_id"):
+        Tokenizer.load(tmp_path)
 
 
 def test_encode_by_cached_pieces_equals_encoding_the_whole_text(tokenizer: Tokenizer) -> None:
