@@ -498,11 +498,23 @@ def test_the_fast_path_declines_other_pre_tokenizers(tokenizer: Tokenizer) -> No
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import pre_tokenizers
 
-    from dynserve.model.tokenizer import _AsciiWords
+    from dynserve.model.byte_level import AsciiWords
 
     raw = RawTokenizer.from_str(tokenizer._raw.to_str())
-    assert _AsciiWords.for_tokenizer(raw) is not None
+    assert AsciiWords.for_tokenizer(raw) is not None
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # no digit split
-    assert _AsciiWords.for_tokenizer(raw) is None
+    assert AsciiWords.for_tokenizer(raw) is None
     long_text = "".join(STRINGS[:40]).encode("ascii", "ignore").decode() * 70  # past the piece cache's limit
     assert tokenizer.encode(long_text) == tokenizer._raw.encode(long_text, add_special_tokens=False).ids
+
+
+def test_the_added_token_trie_splits_as_the_longest_first_alternation() -> None:
+    from dynserve.model.added_tokens import longest_match_pattern
+
+    rng = random.Random(3)
+    words = ["ab", "abcd", "abc", "b", "bcd", "<|a|>", "<|a", "|>", "\n", "\n\n", "  ", "   "]
+    trie = regex.compile(f"({longest_match_pattern(words)})")
+    alternation = regex.compile("(" + "|".join(regex.escape(w) for w in sorted(words, key=len, reverse=True)) + ")")
+    for _ in range(3000):
+        text = "".join(rng.choice("abcd<|>\n x") for _ in range(rng.randint(0, 14)))
+        assert trie.split(text) == alternation.split(text), text

@@ -12,7 +12,7 @@ Invariants kept here:
   `tokenizer.ggml.pre`, a missing one) is refused by name with `TokenizerError`, never approximated.
 - `smollm` (and the types llama.cpp gives the same patterns) keep the exact pre-tokenizer dynserve has
   always built (each digit apart, then GPT-2's byte-level pattern), so the bundled model's ids do not move
-  and `tokenizer._AsciiWords` still recognises it.
+  and `byte_level.AsciiWords` still recognises it.
 """
 
 from __future__ import annotations

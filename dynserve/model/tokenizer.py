@@ -29,7 +29,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -41,6 +40,8 @@ import tokenizers
 from tokenizers import AddedToken, decoders, models
 
 from dynserve.errors import TokenizerError
+from dynserve.model.added_tokens import added_token_splitter
+from dynserve.model.byte_level import AsciiWords, byte_level_token_bytes
 from dynserve.model.chat_template import compile_chat_template, default_chat_template, plain_message
 from dynserve.model.detokenizer import IncrementalDetokenizer
 from dynserve.model.gguf_metadata import read_gguf_metadata
@@ -54,38 +55,6 @@ _GGUF_TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are ordinary text: matche
 _GGUF_TOKENIZER_MODELS = "'gpt2' (byte-level BPE), 'llama' (SentencePiece)"
 # the GGUF keys naming tokens that end a turn or a message, besides tokenizer.ggml.eos_token_id
 _GGUF_END_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-
-
-# --- byte-level bytes of each token ---------------------------------------------------------------------
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's reversible map from printable stand-in characters back to the 256 byte values."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    printable += range(ord("®"), ord("ÿ") + 1)
-    char_to_byte = {chr(byte): byte for byte in printable}
-    num_extra = 0
-    for byte in range(256):
-        if byte not in printable:
-            char_to_byte[chr(256 + num_extra)] = byte
-            num_extra += 1
-    return char_to_byte
-
-
-def _token_bytes_table(raw: tokenizers.Tokenizer, vocab_size: int) -> tuple[bytes, ...]:
-    """The bytes the ByteLevel decoder produces for each id (a token whose characters are not all in
-    the byte alphabet, such as an added token "<|im start|>" with a space, decodes to its own UTF-8)."""
-    char_to_byte = _byte_level_alphabet()
-    table = []
-    for token_id in range(vocab_size):
-        token = raw.id_to_token(token_id)
-        if token is None:
-            raise TokenizerError(f"the vocabulary has a hole at id {token_id}")
-        try:
-            table.append(bytes(char_to_byte[char] for char in token))
-        except KeyError:
-            table.append(token.encode("utf-8"))
-    return tuple(table)
 
 
 def ids_in_vocab(token_ids: list[int], vocab_size: int) -> bool:
@@ -103,8 +72,6 @@ def _whole_texts(token_bytes: tuple[bytes, ...]) -> tuple[str | None, ...]:
         except UnicodeDecodeError:
             texts.append(None)
     return tuple(texts)
-
-
 
 
 # --- the tokenizer --------------------------------------------------------------------------------------
@@ -144,15 +111,15 @@ class Tokenizer:
         self.chat_template = chat_template
         self._decodes_by_table = decoding.token_bytes is not None
         self._strip_leading_space = decoding.strip_leading_space
-        self._token_bytes = decoding.token_bytes or _token_bytes_table(raw, self.vocab_size)
+        self._token_bytes = decoding.token_bytes or byte_level_token_bytes(raw, self.vocab_size)
         if len(self._token_bytes) != self.vocab_size:
             raise TokenizerError(f"{len(self._token_bytes)} token byte strings for {self.vocab_size} tokens")
         self._token_texts = _whole_texts(self._token_bytes)
         self._special_ids = frozenset(
             token_id for token_id, added in raw.get_added_tokens_decoder().items() if added.special
         )
-        self._added_split, self._added_ids = _added_token_splitter(raw)
-        self._ascii_words = _AsciiWords.for_tokenizer(raw) if self._added_split is not None else None
+        self._added_split, self._added_ids = added_token_splitter(raw)
+        self._ascii_words = AsciiWords.for_tokenizer(raw) if self._added_split is not None else None
         self._encode_piece = functools.lru_cache(maxsize=_PIECE_CACHE_SIZE)(self._encode_uncached)
         named = [("bos", self.bos_token_id), ("eos", self.eos_token_id)]
         for name, token_id in [*named, *(("end-of-generation", i) for i in special.end_token_ids)]:
@@ -286,7 +253,7 @@ class Tokenizer:
         return tuple(self._encode_text(piece))
 
     def _encode_text(self, text: str) -> list[int]:
-        """Ids of text holding no added token: ASCII text through `_AsciiWords` where it applies."""
+        """Ids of text holding no added token: ASCII text through `AsciiWords` where it applies."""
         if self._ascii_words is not None and text.isascii():
             return self._ascii_words.encode(text)
         return self._raw.encode(text, add_special_tokens=False).ids
@@ -367,97 +334,6 @@ class Tokenizer:
     def _compiled_chat_template(self) -> jinja2.Template:
         assert self.chat_template is not None
         return compile_chat_template(self.chat_template)
-
-
-class _AsciiWords:
-    """ASCII text to ids 6-10x faster than `tokenizers` does it, for SmolLM's pre-tokenizer (each digit apart,
-    then GPT-2's byte-level pattern: GGUFs whose tokenizer.ggml.pre is smollm, starcoder, refact or command-r).
-    Any other pre-tokenizer (llama-bpe, qwen2, ...) fails the JSON match below and keeps the library's path.
-
-    `tokenizers` spends most of an encode in that pattern (Oniguruma, with a look-ahead). On ASCII text the
-    pattern's Unicode classes are plain ASCII ranges, so Python's `re` splits the text the same way (the
-    two steps as one pattern: a digit ends a run of spaces as the end of the text would), and each piece
-    goes through the tokenizer's own BPE model, its ids cached by piece: words recur. Other text keeps the
-    library's path, since its Unicode tables and ours differ by version. `tests/test_tokenizer.py` checks
-    this path against the library on random ASCII; `for_tokenizer` also checks a probe and declines on
-    any difference."""
-
-    _PRE_TOKENIZER = {"type": "Sequence", "pretokenizers": [
-        {"type": "Digits", "individual_digits": True},
-        {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}]}
-    _SPACE = r"\t\n\v\f\r "  # Unicode's White_Space in ASCII (unlike str.isspace, not \x1c-\x1f)
-    _PIECES = re.compile(
-        rf"[0-9]|'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[^{_SPACE}A-Za-z0-9]+|[{_SPACE}]+(?![^{_SPACE}0-9])"
-        rf"|[{_SPACE}]+")
-    _PROBE = "Hi, it's 2025-11-23:\n\t  x  y 'll\x1c\x7f~ 12ab  3 "
-    _MAX_CACHED = 200_000
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-        alphabet = _byte_level_alphabet()
-        self._to_byte_chars = str.maketrans({byte: char for char, byte in alphabet.items() if byte < 128})
-        self._ids: dict[str, list[int]] = {}
-
-    @classmethod
-    def for_tokenizer(cls, raw: tokenizers.Tokenizer) -> _AsciiWords | None:
-        if raw.normalizer is not None or raw.pre_tokenizer is None:
-            return None
-        # the pre-tokenizer's own JSON (its pickled state): the whole tokenizer's (`to_str`) costs 125 ms
-        pre_tokenizer = json.loads(raw.pre_tokenizer.__getstate__())
-        given = pre_tokenizer.get("pretokenizers") or []
-        wanted = cls._PRE_TOKENIZER["pretokenizers"]
-        steps = [{key: step.get(key) for key in want} for step, want in zip(given, wanted)]
-        if pre_tokenizer.get("type") != "Sequence" or len(given) != len(wanted) or steps != wanted:
-            return None
-        words = cls(raw.model)
-        probe_ids = raw.encode(cls._PROBE, add_special_tokens=False).ids
-        return words if words.encode(cls._PROBE) == probe_ids else None
-
-    def encode(self, text: str) -> list[int]:
-        cached, token_ids = self._ids, []
-        for piece in self._PIECES.findall(text):
-            ids = cached.get(piece)
-            if ids is None:
-                if len(cached) >= self._MAX_CACHED:
-                    cached.clear()
-                byte_chars = piece.translate(self._to_byte_chars)
-                ids = cached[piece] = [token.id for token in self._model.tokenize(byte_chars)]
-            token_ids += ids
-        return token_ids
-
-
-def _added_token_splitter(raw: tokenizers.Tokenizer) -> tuple[re.Pattern[str] | None, dict[str, int]]:
-    """A pattern splitting text at the tokenizer's added tokens (longest first, kept as pieces), and their
-    ids; None when an added token strips whitespace around it or matches only single words, where
-    encoding the pieces apart could differ from encoding the whole."""
-    added = {token.content: token_id for token_id, token in raw.get_added_tokens_decoder().items()}
-    tokens = raw.get_added_tokens_decoder().values()
-    normalizes = raw.normalizer is not None
-    if not added or any(t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizes) for t in tokens):
-        return None, added
-    return re.compile(f"({_longest_match_pattern(list(added))})"), added
-
-
-def _longest_match_pattern(words: list[str]) -> str:
-    """A regex matching, at a position, the longest of `words` found there (as the alternation of the words,
-    longest first, would), written as a trie: with Gemma's 6,414 added tokens a 16k-character text splits in
-    0.6 ms instead of the alternation's 130 ms (which tries every word at every position). Children differ in their first character, so at most one can go on matching; a word ending at a node
-    makes what follows optional, and the greedy `?` tries the longer words first."""
-    trie: dict[str, Any] = {}
-    for word in words:
-        node = trie
-        for char in word:
-            node = node.setdefault(char, {})
-        node[""] = {}  # a word ends here
-
-    def pattern(node: dict[str, Any]) -> str:
-        branches = [re.escape(char) + pattern(child) for char, child in node.items() if char]
-        if not branches:
-            return ""
-        body = branches[0] if len(branches) == 1 else f"(?:{'|'.join(branches)})"
-        return f"(?:{body})?" if "" in node else body
-
-    return pattern(trie)
 
 
 def _added_tokens(
