@@ -16,6 +16,8 @@ blocks, and streams every token from the first on, exactly as in aggregated mode
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from dynserve.errors import InvalidRequestError
@@ -28,6 +30,7 @@ __all__ = [
     "ClientFrame",
     "DeltaBatch",
     "GenerateRequest",
+    "Grammar",
     "Hello",
     "KVEvent",
     "KVHandle",
@@ -50,9 +53,23 @@ __all__ = [
 MAX_TOP_LOGPROBS = 20
 
 
+class Grammar(msgspec.Struct, frozen=True, kw_only=True):
+    """A constraint every output token keeps: the output is a document of `source`, a JSON Schema (as JSON
+    text), a regular expression or a Lark grammar (llguidance's dialects of each). `lenient`: keywords of a
+    schema the engine cannot enforce are ignored instead of refused (a non-strict `json_schema`).
+    `num_prior_tokens`: the prompt's last tokens that were already produced under this grammar (a migrated
+    request's earlier output), which the engine feeds to the grammar before it samples."""
+
+    kind: Literal["json_schema", "regex", "lark"]
+    source: str
+    lenient: bool = False
+    num_prior_tokens: int = 0
+
+
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     """How to pick tokens and when to stop. `temperature == 0` is greedy; `top_k=None` keeps all tokens;
-    `logprobs=None` returns none, `0` the chosen token's only, `k` also the top k (k <= 20)."""
+    `logprobs=None` returns none, `0` the chosen token's only, `k` also the top k (k <= 20); `grammar`: the
+    output must match it, and the request stops ("stop") once the grammar is complete."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -65,6 +82,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -82,6 +100,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"must be between 0 and {MAX_TOP_LOGPROBS}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("grammar", self.grammar is None or (self.grammar.kind in ("json_schema", "regex", "lark")
+                                                 and self.grammar.num_prior_tokens >= 0),
+             "must name json_schema, regex or lark, with num_prior_tokens >= 0"),
         ]
         for param, ok, why in checks:
             if not ok:

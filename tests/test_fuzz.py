@@ -55,8 +55,10 @@ def server() -> Iterator[str]:
 _UNSUPPORTED = ["logit_bias", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
                 "response_format", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
                 "verbosity", "no_stop_trim", "skip_special_tokens", "return_hidden_states", "stream_options"]
-_REFUSED = {"ChatCompletionRequest": [*_UNSUPPORTED, "continue_final_message"],
-            "CompletionRequest": [*_UNSUPPORTED, "echo", "suffix", "best_of"]}
+# output constraints (vLLM's extensions): a value drawn at random is almost always a malformed one (a 400)
+_CONSTRAINTS = ["structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"]
+_REFUSED = {"ChatCompletionRequest": [*_UNSUPPORTED, *_CONSTRAINTS, "continue_final_message"],
+            "CompletionRequest": [*_UNSUPPORTED, *_CONSTRAINTS, "echo", "suffix", "best_of"]}
 
 
 def _pinned(document: dict[str, Any], *, bounded: bool) -> dict[str, Any]:

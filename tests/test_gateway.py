@@ -181,7 +181,8 @@ def test_cached_tokens_reported_for_a_shared_prefix(client: openai.OpenAI, worke
 def test_bad_parameters_are_400s_that_name_them(client: openai.OpenAI) -> None:
     cases = [
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+         "response_format.json_schema.schema"),
         ({"temperature": 3.5}, "temperature"),
         ({"n": 0}, "n"),
         ({"extra_body": {"frobnicate": True}}, "frobnicate"),

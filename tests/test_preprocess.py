@@ -49,7 +49,7 @@ def test_n_seeded_choices_get_distinct_seeds(tokenizer: Any) -> None:
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"tools": []}, "tools"), ({"tool_choice": "auto"}, "tool_choice"), ({"functions": []}, "functions"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"), ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"), ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"modalities": ["audio"]}, "modalities"), ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"max_tokens": 9000}, "max_tokens"),
     ({"no_stop_trim": True}, "no_stop_trim"), ({"skip_special_tokens": False}, "skip_special_tokens"),

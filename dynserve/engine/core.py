@@ -4,8 +4,8 @@ sleeps for the time its profile gives and draws pseudo-random tokens.
 
 `EngineCore.step()` schedules a batch, asks `_execute` for one token per sequence whose every token is now
 computed, records the step with the scheduler (which caches the blocks it filled), and turns each token into a
-`TokenDelta`: detokenized text, stop strings, stop ids (EOS unless `ignore_eos`), `max_tokens`, the context
-limit, cumulative usage counts and prefix-cache hits. Everything here is pure Python (no torch), so an engine
+`TokenDelta`: detokenized text, stop strings, stop ids (EOS unless `ignore_eos`), a completed grammar,
+`max_tokens`, the context limit, cumulative usage counts and prefix-cache hits. Everything here is pure Python (no torch), so an engine
 without a model imports none.
 
 Disaggregated serving (see `protocol.py`) has two more kinds of request:
@@ -18,6 +18,13 @@ Disaggregated serving (see `protocol.py`) has two more kinds of request:
   which of its own. `complete_receive` then starts decoding from the first token, or, when the read failed,
   queues the request to prefill here; either way the request's first delta (the first token) comes then.
 
+Structured output (`structured.py`): a request with a grammar gets its matcher when it is added, fed the
+prompt's last `grammar.num_prior_tokens` tokens (a migrated request's earlier output) and, on a decode
+worker, the prefill worker's first token; each appended token advances it, and the request finishes with
+"stop" once its grammar is complete. What samples the tokens (the model runner, the mocker) keeps them
+inside the grammar; a token the grammar refuses all the same ends the request with "abort" (logged), never
+with output that breaks the grammar.
+
 Invariants: every added request ends with exactly one finished delta, or is aborted; a finished or aborted
 request holds no blocks, except a prefill-only request under lease; a block being written by a transfer is
 never freed before the transfer ends (an abort meanwhile frees it at `complete_receive`); `stats` counts only
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
@@ -39,12 +47,15 @@ from dynserve.engine.block_manager import BlockManager
 from dynserve.engine.output import OutputText
 from dynserve.engine.scheduler import ScheduledBatch, Scheduler
 from dynserve.engine.sequence import Sequence
+from dynserve.engine.structured import GrammarState
 from dynserve.errors import InvalidRequestError
 from dynserve.hashing import model_salt
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
 
 __all__ = ["LEASE_MARGIN_S", "EngineCore", "EngineStats", "GenerationResult", "ReceivePlan", "StepSamples"]
+
+logger = logging.getLogger(__name__)
 
 LEASE_MARGIN_S = 2.0  # a handle this close to its lease's end is not read (a read, clock skew between hosts)
 
@@ -166,6 +177,12 @@ class EngineCore(abc.ABC):
         if params.seed is None and not params.greedy:
             params = msgspec.structs.replace(params, seed=self.settings.seed + next(self._ids))
         seq = Sequence(request_id, token_ids, params)
+        if params.grammar is not None:
+            num_prior = params.grammar.num_prior_tokens
+            if num_prior >= len(token_ids):
+                raise InvalidRequestError("grammar.num_prior_tokens must be less than the prompt's tokens",
+                                          param="grammar")
+            seq.grammar = GrammarState.start(params.grammar, self.tokenizer, token_ids[len(token_ids) - num_prior:])
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids))
         request = _Request(seq, OutputText(self.tokenizer.detokenizer(), params.stop), frozenset(stop_ids),
                            prefill_only=prefill_only and remote is None)
@@ -182,6 +199,9 @@ class EngineCore(abc.ABC):
         if not 0 <= remote.first_token_id < self.vocab_size:
             raise InvalidRequestError(f"first token id must be in [0, {self.vocab_size})", param="remote_prefill")
         self.scheduler.check_fits(seq)
+        if seq.grammar is not None and not seq.grammar.accept(remote.first_token_id):
+            raise InvalidRequestError(f"the first token does not match the grammar: {seq.grammar.error}",
+                                      param="remote_prefill")
         seq.append_token(remote.first_token_id)
         if remote.first_logprob is not None:
             seq.output_logprobs.append(remote.first_logprob)
@@ -345,19 +365,25 @@ class EngineCore(abc.ABC):
         self.stats.num_generated_tokens += 1
         if logprob is not None:
             seq.output_logprobs.append(logprob)
+        if seq.grammar is not None and not seq.grammar.accept(token_id):
+            logger.error("request %s: token %d breaks its grammar (%s); aborting it", seq.request_id, token_id,
+                         seq.grammar.error)
+            return self._emit(request, token_id, logprob, broke_grammar=True)
         return self._emit(request, token_id, logprob)
 
     def _emit(self, request: _Request, token_id: int, logprob: TokenLogprob | None,
-              kv_fallback: str | None = None) -> TokenDelta:
+              kv_fallback: str | None = None, broke_grammar: bool = False) -> TokenDelta:
         """The delta for `token_id`, just appended to the request's sequence; finishes or parks it."""
         seq = request.seq
         output = request.output
         stop_token = token_id in request.stop_token_ids
-        text = "" if stop_token else output.push(token_id)
+        text = "" if stop_token or broke_grammar else output.push(token_id)
         num_tokens, num_prompt_tokens = len(seq.token_ids), len(seq.prompt_token_ids)
         num_output_tokens = num_tokens - num_prompt_tokens
         reason = None
-        if stop_token or output.stopped:
+        if broke_grammar:
+            reason = "abort"
+        elif stop_token or output.stopped or (seq.grammar is not None and seq.grammar.is_done):
             reason = "stop"
         elif num_output_tokens >= seq.params.max_tokens or num_tokens >= self.max_model_len:
             reason = "length"
@@ -369,11 +395,11 @@ class EngineCore(abc.ABC):
             del self._requests[seq.request_id]
         return TokenDelta(
             request_id=seq.request_id,
-            token_ids=[token_id],
+            token_ids=[] if broke_grammar else [token_id],  # a migration continues from the tokens before it
             text=text,
             finished=reason is not None,
             finish_reason=reason,
-            logprobs=None if logprob is None else [logprob],
+            logprobs=None if logprob is None or broke_grammar else [logprob],
             num_prompt_tokens=num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=num_output_tokens,

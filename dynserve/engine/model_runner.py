@@ -1,7 +1,8 @@
 """Tensors and kernels: the model, the KV cache tensor, the attention backend, and one step's inputs.
 
 The runner turns a scheduled batch into packed inputs (token ids, positions, slot mapping, block tables),
-runs the model, and samples one token for each sequence whose every token is now computed. It owns the KV
+runs the model, and samples one token for each sequence whose every token is now computed; the masks of
+the sequences with a grammar are computed while the forward runs (`structured.MaskFiller`). It owns the KV
 cache tensor `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`; the block manager owns which
 block ids are in use.
 
@@ -28,6 +29,7 @@ from dynserve.engine.models.llama import LlamaForCausalLM
 from dynserve.engine.sampler import SampleResult, sample, sample_on_device
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
+from dynserve.engine.structured import MaskFiller
 
 __all__ = ["ModelRunner", "kv_block_size_bytes", "select_attention_backend"]
 
@@ -64,6 +66,7 @@ class ModelRunner:
             (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype, device,
         ).zero_()
         self.graphs: DecodeGraphs | None = None
+        self.grammar_masks = MaskFiller()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
@@ -86,16 +89,21 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], SampleResult | None]:
         """Run one step. Returns the sequences that sampled a token and their samples (in that order)."""
+        pending = self.grammar_masks.start(batch.seqs, batch.num_new_tokens)
         if self.graphs is not None and self.graphs.fits(batch):
             logits, sampling = self.graphs.run(batch.seqs), batch.seqs
         else:
             logits, sampling = self._forward(batch)
         if not sampling:
             return [], None
+        masks = None
+        if pending is not None:
+            assert pending.num_rows == len(sampling), "mask rows must follow the sampling rows"
+            masks = pending.result()
         with torch.inference_mode():
             if self.device.type == "cpu":
-                return sampling, sample(logits.cpu(), sampling)
-            return sampling, sample_on_device(logits, sampling)
+                return sampling, sample(logits.cpu(), sampling, masks)
+            return sampling, sample_on_device(logits, sampling, masks)
 
     def compute_logits(self, batch: ScheduledBatch) -> torch.Tensor:
         """fp32 logits after the last token of each sequence (each must be scheduled to its end)."""

@@ -1,8 +1,10 @@
-"""Token selection from logits: penalties, greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Token selection from logits: penalties, grammar masks, greedy, temperature, top-k, top-p, seeds, logprobs.
 
-Pure function of (logits, the sequences' parameters and outputs). Rows with a `seed` draw from their own
-generator, so a seeded request gives the same tokens whatever else shares its batch. Logprobs are
-log-softmax of the logits after penalties and before temperature.
+Pure function of (logits, the sequences' parameters and outputs, the step's grammar masks). Rows with a
+`seed` draw from their own generator, so a seeded request gives the same tokens whatever else shares its
+batch. A row with a grammar mask (`structured.GrammarMasks`) keeps only the tokens its grammar allows (the
+others' logits become -inf) before it is chosen, greedy or drawn. Logprobs are log-softmax of the logits
+after penalties and before the grammar's mask and temperature (what the model thinks of the chosen token).
 
 Two implementations of one contract:
 - `sample`: row by row on CPU logits (the CPU engine's path).
@@ -16,13 +18,19 @@ Two implementations of one contract:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from dynserve.engine.sequence import Sequence
 from dynserve.protocol import TokenLogprob
 
-__all__ = ["SampleResult", "sample", "sample_on_device"]
+if TYPE_CHECKING:
+    from dynserve.engine.structured import GrammarMasks
+
+__all__ = ["SampleResult", "allowed_tokens", "sample", "sample_on_device"]
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(slots=True)
@@ -54,9 +62,36 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-    """One token per row of `logits` ([num_seqs, vocab], fp32) for the matching sequence."""
+def allowed_tokens(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bool [rows, vocab_size] of int32 bitmasks [rows, words] (bit `i % 32` of word `i // 32` allows token
+    `i`); tokens past the bitmask's end (a model vocabulary padded beyond its tokenizer's) are not allowed."""
+    shifts = _BIT_SHIFTS.to(bitmask.device)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1).bool()
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+
+
+def _apply_masks(logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None) -> torch.Tensor:
+    """Mask `logits` in place with the grammars' masks; returns the logits logprobs are taken from (a copy
+    from before the masks when a masked row asks for logprobs, else `logits` itself)."""
+    if masks is None:
+        return logits
+    before = logits
+    if any(seqs[row].params.logprobs is not None for row in masks.rows):
+        before = logits.clone()
+    rows = torch.tensor(masks.rows, device=logits.device)
+    bitmask = torch.from_numpy(masks.bitmask).to(logits.device, non_blocking=True)
+    allowed = allowed_tokens(bitmask, logits.shape[1])
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return before
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> SampleResult:
+    """One token per row of `logits` ([num_seqs, vocab], fp32) for the matching sequence; `masks` constrain
+    the rows of sequences with a grammar."""
     _apply_penalties(logits, seqs)
+    unmasked = _apply_masks(logits, seqs, masks)
     greedy_ids = logits.argmax(dim=-1).tolist()
     token_ids: list[int] = []
     for row, seq in enumerate(seqs):
@@ -67,7 +102,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         scaled = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
         probs = scaled.softmax(-1)
         token_ids.append(int(torch.multinomial(probs, 1, generator=seq.sampling_generator()).item()))
-    return SampleResult(token_ids, _logprobs(logits, seqs, token_ids))
+    return SampleResult(token_ids, _logprobs(unmasked, seqs, token_ids))
 
 
 def _logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) -> list[TokenLogprob | None]:
@@ -87,11 +122,12 @@ def _logprobs(logits: torch.Tensor, seqs: list[Sequence], token_ids: list[int]) 
     return out
 
 
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> SampleResult:
     """`sample`'s contract for logits on any device, batched; one synchronizing read of the results."""
     num_rows, vocab = logits.shape
     device = logits.device
     _apply_penalties_batched(logits, seqs)
+    unmasked = _apply_masks(logits, seqs, masks)
     token_ids = logits.argmax(dim=-1)
     drawn = [i for i, seq in enumerate(seqs) if not seq.params.greedy]
     if drawn:
@@ -124,7 +160,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult
     top_k_max = max((seqs[i].params.logprobs or 0 for i in wanted), default=0)
     if wanted:
         rows = torch.tensor(wanted, device=device)
-        logprobs = torch.log_softmax(logits[rows], dim=-1)
+        logprobs = torch.log_softmax(unmasked[rows], dim=-1)
         parts.append(logprobs.gather(1, token_ids[rows][:, None]).squeeze(1).double())
         if top_k_max:
             values, ids = torch.topk(logprobs, top_k_max, dim=-1)

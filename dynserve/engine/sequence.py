@@ -17,6 +17,8 @@ from dynserve.protocol import SamplingParams, TokenLogprob
 if TYPE_CHECKING:
     import torch
 
+    from dynserve.engine.structured import GrammarState
+
 __all__ = ["Sequence", "SequenceStatus"]
 
 
@@ -45,6 +47,8 @@ class Sequence:
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # token id -> count over output tokens, kept only when a penalty needs it
     output_counts: dict[int, int] | None = None
+    # the grammar's matcher when `params.grammar` is set (`structured.py`): it has consumed every output token
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

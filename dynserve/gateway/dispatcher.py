@@ -206,7 +206,8 @@ class Dispatcher:
                    reason: str) -> GenerateRequest | None:
         """The request that continues `request` elsewhere after its worker failed mid-stream: its prompt and
         the tokens already sent as the new prompt, the tokens left to generate as its budget, no remote
-        prefill (the new worker prefills it; its prefix cache may hold part of it). None when nothing is left.
+        prefill (the new worker prefills it; its prefix cache may hold part of it), and a grammar told that the
+        tokens sent are its own (the new worker's matcher consumes them first). None when nothing is left.
         A greedy request continues exactly as it would have; sampled ones continue from the same text. Text a
         worker held back (half a UTF-8 character, a possible start of a stop string) is not recovered."""
         left = request.params.max_tokens - len(sent)
@@ -216,5 +217,9 @@ class Dispatcher:
             observer.on_migration(reason)
         if left <= 0:
             return None
+        params = msgspec.structs.replace(request.params, max_tokens=left)
+        if params.grammar is not None:  # the new worker's grammar starts from the tokens already sent
+            params = msgspec.structs.replace(
+                params, grammar=msgspec.structs.replace(params.grammar, num_prior_tokens=len(sent)))
         return msgspec.structs.replace(request, token_ids=[*request.token_ids, *sent], remote_prefill=None,
-                                       params=msgspec.structs.replace(request.params, max_tokens=left))
+                                       params=params)

@@ -2,7 +2,9 @@
 
 Pure functions of (request, tokenizer, model limits). Everything the user got wrong surfaces here as an
 `InvalidRequestError` naming the parameter, before any worker is involved:
-- a field OpenAI defines that dynserve does not implement (tools, response_format other than text, ...);
+- a field OpenAI defines that dynserve does not implement (tools, ...);
+- an output constraint (`response_format`, `structured_outputs`) that is malformed or does not compile
+  (`structured.py`);
 - a content part that is not text;
 - a prompt plus `max_tokens` longer than the context (`code="context_length_exceeded"`).
 
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from dynserve.errors import InvalidRequestError, TokenizerError
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from dynserve.gateway.structured import grammar_of
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import SamplingParams
 
@@ -57,8 +60,6 @@ def reject_unsupported(request: _SamplingFields) -> None:
         if value is None or (name == "modalities" and value == ["text"]):
             continue
         raise InvalidRequestError(f"'{name}' is not supported by this server", param=name)
-    if request.response_format is not None and request.response_format != {"type": "text"}:
-        raise InvalidRequestError("only response_format {'type': 'text'} is supported", param="response_format")
     if request.logit_bias:
         raise InvalidRequestError("'logit_bias' is not supported by this server", param="logit_bias")
     for name, served in _SGLANG_DEFAULTS.items():
@@ -164,6 +165,7 @@ def _sampling_params(
         stop_token_ids=(*(request.stop_token_ids or ()), *(() if request.ignore_eos else sorted(end_ids))),
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        grammar=grammar_of(request),
     )
     base.validate()
     if request.n == 1:

@@ -93,6 +93,14 @@ class _SamplingFields(_Strict):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    # structured output (`structured.py` reads and checks them): OpenAI's response_format, vLLM's extensions
+    response_format: Any = Field(None, description="text, json_object, or json_schema (name, schema, strict)")
+    structured_outputs: Any = Field(None, description="extension (vLLM): one of json, json_object, regex, "
+                                    "choice, grammar (Lark)")
+    guided_json: Any = Field(None, description="extension (vLLM, older name): structured_outputs.json")
+    guided_regex: Any = Field(None, description="extension (vLLM, older name): structured_outputs.regex")
+    guided_choice: Any = Field(None, description="extension (vLLM, older name): structured_outputs.choice")
+    guided_grammar: Any = Field(None, description="extension (vLLM, older name): structured_outputs.grammar")
     # defined by OpenAI, not implemented by dynserve: a non-default value is a 400 naming the field
     logit_bias: dict[str, float] | None = None
     tools: Any = None
@@ -100,7 +108,6 @@ class _SamplingFields(_Strict):
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None

@@ -27,6 +27,9 @@ Invariants:
   a worker the engine does not sleep: it steps on the worker's event loop (`InlineEngineLoop`), which
   waits for `next_step_s`; a step begun before the clock's time (a wait under the loop's timer resolution)
   starts from the clock, so the debt carries over the same way.
+- A request with a grammar gets tokens its grammar allows (any token, control tokens and EOS included, drawn
+  as above from the allowed ones), so structured output, its migration and its disaggregation run here too;
+  such answers are valid but not plain words.
 - Logprobs are synthetic but well-formed: the chosen token first and most likely, then `k - 1` others.
 """
 
@@ -147,6 +150,9 @@ class MockEngine(EngineCore):
             if seq.num_computed_tokens + num_new != num_tokens:
                 continue  # a prefill chunk that is not the last: no token yet
             token_id = self._draw(seq.params.seed, num_tokens)
+            if seq.grammar is not None:  # a constrained request: a token its grammar allows, drawn the same way
+                allowed = seq.grammar.allowed_token_ids()
+                token_id = int(allowed[self._key(seq.params.seed, num_tokens) % len(allowed)])
             samples.seqs.append(seq)
             samples.token_ids.append(token_id)
             samples.logprobs.append(None if seq.params.logprobs is None else self._logprob(seq, token_id))
@@ -166,8 +172,11 @@ class MockEngine(EngineCore):
 
     def _draw(self, seed: int | None, position: int, salt: int = 0) -> int:
         """A drawable token id (see the module's invariants), fixed by (seed, position, salt)."""
-        key = _KEY.pack((seed or 0) & _SEED_MASK, (position + salt * 1_000_003) & _SEED_MASK)
-        return self._drawable_ids[xxhash.xxh3_64_intdigest(key) % len(self._drawable_ids)]
+        return self._drawable_ids[self._key(seed, position, salt) % len(self._drawable_ids)]
+
+    @staticmethod
+    def _key(seed: int | None, position: int, salt: int = 0) -> int:
+        return xxhash.xxh3_64_intdigest(_KEY.pack((seed or 0) & _SEED_MASK, (position + salt * 1_000_003) & _SEED_MASK))
 
     def _logprob(self, seq: Sequence, token_id: int) -> TokenLogprob:
         seed = ((seq.params.seed or 0) ^ _LOGPROB_SALT) & _SEED_MASK

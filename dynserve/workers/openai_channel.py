@@ -32,6 +32,7 @@ from dynserve.engine.output import OutputText
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
 from dynserve.protocol import (
     GenerateRequest,
+    Grammar,
     KVSnapshot,
     SamplingParams,
     TokenDelta,
@@ -76,9 +77,25 @@ def completion_body(info: WorkerInfo, request: GenerateRequest, prompt: list[int
             body["top_k"] = params.top_k
         if params.stop_token_ids:
             body["stop_token_ids"] = list(params.stop_token_ids)
+        if params.grammar is not None:
+            body["structured_outputs"] = _vllm_structured_outputs(params.grammar)
+    elif params.grammar is not None:
+        raise InvalidRequestError(f"worker {info.worker_id} (an OpenAI server) cannot enforce an output grammar",
+                                  param="response_format")
     elif params.stop:
         body["stop"] = list(params.stop)
     return body
+
+
+def _vllm_structured_outputs(grammar: Grammar) -> dict[str, Any]:
+    """vLLM's own structured-output parameters for `grammar`. vLLM's grammar starts where its prompt ends, so
+    a grammar that must continue from tokens already produced (a migration) is refused, never restarted."""
+    if grammar.num_prior_tokens:
+        raise InvalidRequestError("a vLLM worker cannot continue a grammar from tokens already produced",
+                                  param="response_format")
+    if grammar.kind == "json_schema":
+        return {"json": json.loads(grammar.source)}
+    return {"regex" if grammar.kind == "regex" else "grammar": grammar.source}
 
 
 def parse_load(info: WorkerInfo, text: str) -> WorkerLoad:
