@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -33,6 +35,7 @@ from dynserve.errors import TokenizerError
 from dynserve.gateway.preprocess import prepare_chat
 from dynserve.gateway.schemas import ChatCompletionRequest
 from dynserve.model.chat_template import GEMMA_CHAT_TEMPLATE
+from dynserve.model.gguf_metadata import read_gguf_metadata
 from dynserve.model.gguf_pretokenizers import supported_pre_names
 from dynserve.model.tokenizer import Tokenizer
 
@@ -184,6 +187,80 @@ def test_phi3_ends_a_generation_at_its_eos_and_at_the_end_of_its_turns(vocab_dir
     assert load(vocab_dir / "ggml-vocab-llama-spm.gguf").end_of_generation_ids == {2}  # </s>; no template
 
 
+@dataclass(frozen=True)
+class ReferenceSpm:
+    """llama.cpp's SPM tokenizer (llama-vocab.cpp) written plainly, as the reference for random strings: cut the
+    text at control, unknown and user-defined tokens, longest token first; put a space before each piece when
+    add_space_prefix says so; spaces to "▁"; from single characters, merge the adjacent pair whose
+    concatenation is the best-scored token, leftmost among equals, until none is; a piece that is no token
+    is its UTF-8 bytes."""
+
+    ids: dict[str, int]
+    scores: list[float]
+    added: list[str]  # longest first
+    space_prefix: str
+
+    @classmethod
+    @functools.cache
+    def of(cls, path: Path) -> ReferenceSpm:
+        metadata = read_gguf_metadata(path)
+        tokens, scores, types = (metadata[f"tokenizer.ggml.{key}"] for key in ("tokens", "scores", "token_type"))
+        added = sorted((token for token, kind in zip(tokens, types, strict=True) if kind in (2, 3, 4)),
+                       key=len, reverse=True)
+        prefix = " " if metadata.get("tokenizer.ggml.add_space_prefix", True) else ""
+        return cls({token: token_id for token_id, token in enumerate(tokens)}, scores, added, prefix)
+
+    def encode(self, text: str) -> list[int]:
+        fragments: list[str | int] = [text]
+        for token in (token for token in self.added if token in text):
+            cut: list[str | int] = []
+            for fragment in fragments:
+                parts = [fragment] if isinstance(fragment, int) else fragment.split(token)
+                for j, part in enumerate(parts):
+                    cut += ([self.ids[token]] if j else []) + ([part] if part != "" else [])
+            fragments = cut
+        token_ids: list[int] = []
+        for fragment in fragments:
+            token_ids += [fragment] if isinstance(fragment, int) else self._merge(fragment)
+        return token_ids
+
+    def _merge(self, fragment: str) -> list[int]:
+        ids, scores = self.ids, self.scores
+        symbols = list((self.space_prefix + fragment).replace(" ", "\u2581"))
+        while True:
+            pairs = [(scores[ids[a + b]], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in ids]
+            if not pairs:
+                break
+            i = -max(pairs)[1]
+            symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+        token_ids: list[int] = []
+        for symbol in symbols:
+            token_ids += [ids[symbol]] if symbol in ids else [ids[f"<0x{b:02X}>"] for b in symbol.encode()]
+        return token_ids
+
+
+SPM_PIECES = [
+    "the", "The", " token", "izer", "serving", "LLM", "naïve", "über", "日本", "語", "北京", "😀", "🦙", "👍🏽", "é", "ß",
+    "Ж", "λ", "∑", "→", "…", "0", "7", "42", "1999", "3.5", "(", ")", "{", "}", ";", ",", ".", "!", "?", "'s", '"',
+    "def", "return", "x_1", "__init__", "http://", "\u2581", "\U0001F9A0", "\u0301", "\u00a0", "<b>", "</s>",
+]  # fmt: skip
+SPM_SEPARATORS = ["", "", " ", " ", "  ", "   ", "\n", "\n\n", "\t", " \n", "\r\n"]
+
+
+def random_spm_texts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choice(SPM_PIECES) + rng.choice(SPM_SEPARATORS) for _ in range(rng.randint(1, 8)))
+            for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", CLAIMED_SPM)
+def test_sentencepiece_encodes_random_text_as_llama_cpps_algorithm(vocab_dir: Path, name: str) -> None:
+    path = vocab_dir / f"ggml-vocab-{name}.gguf"
+    tokenizer, reference = load(path), ReferenceSpm.of(path)
+    for text in random_spm_texts(seed=1, count=300):
+        assert encode_as_llama_cpp_test(tokenizer, text) == reference.encode(text), text
+
+
 def _write_spm_gguf(path: Path, arch: str, byte_tokens: bool = True, chat_template: str | None = None) -> None:
     """A small SentencePiece GGUF: <unk> <s> </s>, the byte tokens, a few pieces, and Gemma's turn tokens."""
     pieces = ["▁", "a", "b", "▁a", "ab", "▁ab"]
@@ -291,6 +368,12 @@ def test_gemma_decodes_as_transformers_and_round_trips(gemma: Tokenizer,
         assert gemma.decode(token_ids, skip_special_tokens=False) == "<bos>" + text  # no prefix space: exact
         assert "".join(_stream(gemma, token_ids)) == gemma.decode(token_ids), text
     assert [gemma.token_to_str(i) for i in gemma.encode(" Hello world")[1:]] == [" Hello", " world"]
+
+
+def test_gemma_encodes_random_text_as_llama_cpps_algorithm(gemma: Tokenizer, gemma_gguf: Path) -> None:
+    reference = ReferenceSpm.of(gemma_gguf)
+    for text in random_spm_texts(seed=2, count=200):
+        assert gemma.encode(text) == [gemma.bos_token_id, *reference.encode(text)], text
 
 
 def test_gemma_whitespace_runs_split_longest_token_first(gemma: Tokenizer) -> None:
