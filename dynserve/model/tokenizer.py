@@ -126,7 +126,9 @@ class Tokenizer:
             if token_id is not None and not 0 <= token_id < self.vocab_size:
                 message = f"{name} token id {token_id} is outside the vocabulary of {self.vocab_size}"
                 raise TokenizerError(message)
-        self._bos_text = None if self.bos_token_id is None else raw.id_to_token(self.bos_token_id)
+        bos_text = None if self.bos_token_id is None else raw.id_to_token(self.bos_token_id)
+        bos_is_added = bos_text is not None and self._added_ids.get(bos_text) == self.bos_token_id
+        self._bos_prefix = bos_text if bos_is_added else None  # text beginning with it has its BOS already
         ends = {self.eos_token_id, *special.end_token_ids, self._template_end_of_turn_id()}
         self.end_of_generation_ids: frozenset[int] = frozenset(i for i in ends if i is not None)
         """Every id that ends a generation: EOS, the GGUF's eot/eom, generation_config.json's EOS list, and
@@ -231,8 +233,9 @@ class Tokenizer:
         come back with every request, are encoded once. (Tokenizers whose added tokens strip neighbouring
         whitespace are not split: `_added_split` is None for them.)"""
         token_ids: list[int] = []
-        if self.add_bos_token and self._bos_text is not None and not text.startswith(self._bos_text):
-            token_ids.append(self.bos_token_id)  # type: ignore[arg-type]  # not None with its text
+        if self.add_bos_token and self.bos_token_id is not None:
+            if self._bos_prefix is None or not text.startswith(self._bos_prefix):
+                token_ids.append(self.bos_token_id)
         if self._added_split is None:
             token_ids += self._raw.encode(text, add_special_tokens=False).ids
             return token_ids
