@@ -35,12 +35,13 @@ GEMMA_CHAT_TEMPLATE = """{{ bos_token }}
 {%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"""
 
 # architectures (general.architecture) whose format is known, for GGUFs without tokenizer.chat_template
-_DEFAULT_TEMPLATES = {"gemma": GEMMA_CHAT_TEMPLATE, "gemma2": GEMMA_CHAT_TEMPLATE, "gemma3": GEMMA_CHAT_TEMPLATE}
+# (Gemma 1 and 2 write turns the same way; their GGUFs carry a template, and none here has been checked)
+_DEFAULT_TEMPLATES = {"gemma3": GEMMA_CHAT_TEMPLATE}
 
 
 def default_chat_template(architecture: str | None) -> str | None:
-    """The chat template for a GGUF that has none, by its architecture: Gemma's turn format for the Gemma
-    family, else None (such a model serves completions only and refuses chats, as before)."""
+    """The chat template for a GGUF that has none, by its architecture: Gemma's turn format for Gemma 3,
+    else None (such a model serves completions only and refuses chats, as before)."""
     return _DEFAULT_TEMPLATES.get(architecture or "")
 
 
