@@ -7,13 +7,21 @@ llama.cpp's algorithm, which this module reproduces with the library's BPE model
   when absent, as llama.cpp assumes), then every space becomes "▁";
 - starting from single characters, the adjacent pair whose concatenation is a token with the highest score is
   merged, leftmost first among equals, until no pair forms a token. The GGUF holds no merge list, so one is
-  derived here: every split of every token into two tokens, ranked by the whole token's score;
+  derived here: every split of every token into two tokens, ranked by the whole token's score (equal scores,
+  such as Llama 2's runs of "▁", all -1e9, by the token's id, where llama.cpp takes the leftmost pair: the
+  same ids on every string the tests try, whitespace runs included);
 - a character that is no token comes out as its UTF-8 bytes, the byte-fallback tokens `<0xNN>`.
 
 Decoding is a table of each token's bytes: "▁" is a space in ordinary tokens, `<0xNN>` is its byte, control
 and user-defined tokens are their own text. Invariants: the derived merges only ever form tokens of the
-vocabulary; a vocabulary without all 256 byte tokens is refused (TokenizerError), since text it cannot
-spell would otherwise be silently dropped or turned into `<unk>`.
+vocabulary. Refused (TokenizerError), as they would be encoded wrong silently: a vocabulary without all 256
+byte tokens (text it cannot spell would be dropped or become `<unk>`), and one with an ordinary token
+holding a character that is no token itself (llama.cpp can still merge into it; the library spells such a character
+in bytes first).
+
+transformers' GGUF loader differs from llama.cpp on Gemma's user-defined runs of 2-31 spaces: it respells
+them as "▁" runs and merges them, while llama.cpp cuts the longest run out first; the ids agree except on
+runs longer than 31 spaces and on a literal "▁" typed next to a space (tests/test_gguf_tokenizers.py).
 """
 
 from __future__ import annotations
