@@ -113,6 +113,33 @@ def reference(make_engine: Any, prompt: list[int]) -> Any:
     return result
 
 
+def test_both_samplers_keep_masked_rows_inside_their_masks() -> None:
+    import numpy as np
+    import torch
+
+    from dynserve.engine.sampler import sample, sample_on_device
+    from dynserve.engine.sequence import Sequence
+    from dynserve.engine.structured import GrammarMasks
+
+    vocab = 70  # past the bitmasks' 64 bits: tokens 64-69 are never allowed (a model vocabulary padded
+    bitmask = np.zeros((2, 2), dtype=np.uint32)  # beyond its tokenizer's)
+    bitmask[0, 0], bitmask[0, 1] = 1 << 3, 1 << (41 - 32)  # row 0: tokens 3 and 41
+    bitmask[1, 1] = 1  # row 2: token 32 only
+    masks = GrammarMasks([0, 2], bitmask.view(np.int32))
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    logits[:, 69] = 50.0  # the model's favourite, outside every mask
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=1, logprobs=0)
+        for sampler in (sample, sample_on_device):
+            seqs = [Sequence(f"s{i}", [1], params) for i in range(3)]
+            result = sampler(logits.clone(), seqs, masks)
+            assert result.token_ids[0] in (3, 41) and result.token_ids[2] == 32
+            assert result.token_ids[1] == 69 or temperature > 0  # the unmasked row is free
+            chosen = result.logprobs[2]
+            assert chosen is not None  # the model's own view of the forced token, not a certainty
+            assert chosen.logprob == pytest.approx(float(torch.log_softmax(logits[2], -1)[32]), abs=1e-4)
+
+
 def test_a_grammar_survives_batching_chunked_prefill_and_preemption(make_engine: Any, prompt: list[int],
                                                                     reference: Any, tokenizer: Any) -> None:
     story = tokenizer.encode("Here is a long story about a dragon who learned to bake bread. " * 3)[:30]
