@@ -359,7 +359,7 @@ class GpuBench:
         from dynserve.config import Settings
         from dynserve.engine.llm_engine import LLMEngine, LoadedModel
         from dynserve.engine.loader import ModelConfig
-        from dynserve.engine.models.llama import LlamaForCausalLM
+        from dynserve.engine.models.decoder import CausalLM
         from dynserve.model.tokenizer import Tokenizer
         from dynserve.protocol import SamplingParams
 
@@ -414,7 +414,7 @@ class GpuBench:
             rope_scaling=shape["rope_scaling"], eos_token_id=shape["vocab_size"] - 1,
         )
         with torch.device(self.device):
-            model = LlamaForCausalLM(config, dtype)
+            model = CausalLM(config, dtype)
         model.load_hf_state_dict(hf.state_dict())
         model.eval()
         hf = None  # its weights freed: the engine's copy is the one measured next

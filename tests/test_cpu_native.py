@@ -78,15 +78,15 @@ def test_the_decode_kernels_refuse_metadata_outside_the_cache(kernel) -> None:  
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     before = cache.clone()
     with pytest.raises(RuntimeError, match="slot out of range"):
-        kernel.write_and_decode(q, kv, kv, cache, 0, torch.tensor([64]), tables, lens, 1.0)
+        kernel.write_and_decode(q, kv, kv, cache, 0, torch.tensor([64]), tables, lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="layer 1 out of range"):
-        kernel.write_and_decode(q, kv, kv, cache, 1, torch.tensor([3]), tables, lens, 1.0)
+        kernel.write_and_decode(q, kv, kv, cache, 1, torch.tensor([3]), tables, lens, 1.0, 0)
     with pytest.raises(RuntimeError, match="does not fit its block table"):
-        kernel.paged_decode(q, cache, 0, tables, torch.tensor([17], dtype=torch.int32), 1.0)
+        kernel.paged_decode(q, cache, 0, tables, torch.tensor([17], dtype=torch.int32), 1.0, 0)
     with pytest.raises(RuntimeError, match="context length 0"):
-        kernel.paged_decode(q, cache, 0, tables, torch.tensor([0], dtype=torch.int32), 1.0)
+        kernel.paged_decode(q, cache, 0, tables, torch.tensor([0], dtype=torch.int32), 1.0, 0)
     with pytest.raises(RuntimeError, match="block 4 out of range"):
-        kernel.paged_decode(q, cache, 0, torch.tensor([[4]], dtype=torch.int32), lens, 1.0)
+        kernel.paged_decode(q, cache, 0, torch.tensor([[4]], dtype=torch.int32), lens, 1.0, 0)
     assert torch.equal(cache, before)  # a refused call wrote nothing
 
 

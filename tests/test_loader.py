@@ -60,9 +60,9 @@ def test_hf_directory_loads_the_same_model(tmp_path: Path, loaded_model: LoadedM
     assert config.num_layers == cfg.num_layers and config.tie_word_embeddings
     assert "lm_head.weight" not in state
     prompt = tokenizer.encode("The capital of France is")
-    from dynserve.engine.models.llama import LlamaForCausalLM
+    from dynserve.engine.models.decoder import CausalLM
 
-    model = LlamaForCausalLM(config)
+    model = CausalLM(config)
     model.load_hf_state_dict(state)
     hf_dir = LLMEngine(Settings(kv_blocks=16), loaded=LoadedModel(config, model.eval(), tokenizer, torch.device("cpu")))
     expected = make_engine(kv_blocks=16).compute_logits([prompt])

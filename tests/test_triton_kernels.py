@@ -222,3 +222,48 @@ def test_mismatched_head_counts_are_rejected():
     cache = make_cache(1, shape, torch.float32, generator)
     with pytest.raises(ValueError, match="5"):
         triton_attention.forward(query, key, value, cache, LAYER, meta, 1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [
+        pytest.param([1, 1, 1], [20, 45, 70], id="decode"),
+        pytest.param([30, 12, 1], [30, 60, 50], id="fresh-chunk-and-decode"),
+    ],
+)
+def test_sliding_window_matches_torch_and_never_reads_slid_out_blocks(query_lens, seq_lens, dtype):
+    """A 16-token window: both backends attend only to each row's last 16 positions. Blocks wholly before
+    every row's window hold NaN (a freed block reused by someone else): neither backend may read them."""
+    shape, window = GQA_4_2, 16
+    generator = torch.Generator().manual_seed(sum(seq_lens))
+    tables, num_blocks = make_block_tables(seq_lens, shape.block_size, generator)
+    meta = kernels.AttentionMetadata.build(query_lens, seq_lens, tables, shape.block_size)
+    cache = make_cache(num_blocks, shape, dtype, generator)
+    for table, q_len, s_len in zip(tables, query_lens, seq_lens, strict=True):
+        first_needed = max(0, s_len - q_len - window + 1)
+        for block in table[: first_needed // shape.block_size]:
+            cache[block] = float("nan")
+    query, key, value = make_step(sum(query_lens), shape, dtype, generator)
+    scale = shape.head_dim**-0.5
+    cache_ref, cache_triton = cache.clone(), cache.clone()
+    expected = torch_attention.forward(query, key, value, cache_ref, LAYER, meta, scale, window)
+    actual = triton_attention.forward(query, key, value, cache_triton, LAYER, meta, scale, window)
+    assert torch.isfinite(expected).all()
+    assert_agree(expected, actual)
+    # and the window is what the reference applied: a dense softmax over each row's last 16 keys
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        blocks = torch.tensor(tables[i])
+        keys = cache_ref[blocks, LAYER, 0].reshape(-1, shape.num_kv_heads, shape.head_dim)[:s_len].float()
+        values = cache_ref[blocks, LAYER, 1].reshape(-1, shape.num_kv_heads, shape.head_dim)[:s_len].float()
+        group = shape.num_heads // shape.num_kv_heads
+        for r in range(q_len):
+            pos = s_len - q_len + r
+            lo = max(0, pos - window + 1)
+            q = query[start + r].float().view(shape.num_kv_heads, group, shape.head_dim)
+            scores = torch.einsum("hgd,thd->hgt", q, keys[lo : pos + 1]) * scale
+            dense = torch.einsum("hgt,thd->hgd", scores.softmax(-1), values[lo : pos + 1]).reshape(-1, shape.head_dim)
+            atol, rtol = TOLERANCE[dtype]
+            torch.testing.assert_close(expected[start + r].float(), dense, atol=atol, rtol=rtol)
+        start += q_len

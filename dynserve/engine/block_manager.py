@@ -7,6 +7,10 @@ the model runner). Every block is in exactly one of three states:
 - evictable: `ref_count == 0` but holding a cached, hashed block (kept in LRU order, reusable on a hit);
 - free:      `ref_count == 0` and holding nothing.
 
+A sequence whose model attends only within a sliding window (every layer) gives back the blocks that slid
+out of it (`free_slid_out`): their table entries become `NO_BLOCK`, which no kernel reads (the attention
+backends start at each row's window), so a long conversation holds a bounded number of blocks.
+
 A full, computed block is registered under its chained hash; a later sequence whose prefix hashes the same
 reuses it after its token ids are confirmed equal, so a hash collision never serves the wrong block.
 Allocation takes free blocks first, then evicts the least recently freed cached block. Every change to the
@@ -24,7 +28,9 @@ from dynserve.engine.sequence import Sequence
 from dynserve.hashing import BlockHash
 from dynserve.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-__all__ = ["Block", "BlockManager"]
+__all__ = ["Block", "BlockManager", "NO_BLOCK"]
+
+NO_BLOCK = -1  # a block-table entry whose block slid out of every layer's window and was given back
 
 
 @dataclass(slots=True)
@@ -103,17 +109,35 @@ class BlockManager:
         seq.block_table.extend(self._take_block() for _ in range(num_new))
         return True
 
+    def free_slid_out(self, seq: Sequence, window: int) -> int:
+        """Give back `seq`'s blocks that no later token can attend to under a `window`-token sliding window
+        (every token of the block is before the next token's window), among those already offered to the
+        prefix cache; returns how many. A cached block stays cached (evictable), as after `free`."""
+        first_needed = seq.num_computed_tokens - window + 1  # the first key the next token attends to
+        i = min(first_needed // self.block_size, seq.num_registered_blocks) - 1
+        freed = 0
+        while i >= 0 and seq.block_table[i] != NO_BLOCK:  # earlier ones were given back by an earlier call
+            self._unref(seq.block_table[i])
+            seq.block_table[i] = NO_BLOCK
+            freed += 1
+            i -= 1
+        return freed
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} freed more often than taken"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self._free.append(block_id)
+            else:
+                self._evictable[block_id] = None
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, last block first so a sequence's tail is evicted before its prefix."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            assert block.ref_count > 0, f"block {block_id} freed more often than taken"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.block_hash is None:
-                    self._free.append(block_id)
-                else:
-                    self._evictable[block_id] = None
+            if block_id != NO_BLOCK:
+                self._unref(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
@@ -252,5 +276,6 @@ class BlockManager:
             counts = [0] * self.num_blocks
             for seq in seqs:
                 for block_id in seq.block_table:
-                    counts[block_id] += 1
+                    if block_id != NO_BLOCK:
+                        counts[block_id] += 1
             assert counts == [b.ref_count for b in self.blocks], "reference counts != table membership"

@@ -25,7 +25,7 @@ from types import ModuleType
 import torch
 
 from dynserve.engine.kernels import AttentionMetadata
-from dynserve.engine.models.llama import LlamaForCausalLM
+from dynserve.engine.models.decoder import CausalLM
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 from dynserve.engine.step_inputs import slot_mapping
@@ -38,7 +38,7 @@ _ID, _POS, _LEN, _TABLE = 0, 1, 2, 3  # columns of a row of the static input arr
 class DecodeGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         attention: ModuleType,
         block_size: int,

@@ -20,7 +20,7 @@ from dynserve.config import DType, Settings
 from dynserve.engine.core import EngineCore, EngineStats, GenerationResult, StepSamples
 from dynserve.engine.loader import ModelConfig, load_model_weights
 from dynserve.engine.model_runner import ModelRunner, kv_block_size_bytes
-from dynserve.engine.models.llama import LlamaForCausalLM
+from dynserve.engine.models.decoder import CausalLM
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 from dynserve.errors import CacheCapacityError
@@ -40,7 +40,7 @@ class LoadedModel:
     """Weights and tokenizer in memory, shareable by several engines (each has its own KV cache)."""
 
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     tokenizer: Tokenizer
     device: torch.device
 
@@ -57,7 +57,7 @@ def load_model(settings: Settings, progress: ProgressFn | None = None) -> Loaded
     say(f"loading weights from {path.name}")
     config, state = load_model_weights(path, dtype)
     say("building model")
-    model = LlamaForCausalLM(config, dtype)
+    model = CausalLM(config, dtype)
     model.load_hf_state_dict(state)
     del state
     return LoadedModel(config, model.to(device).eval(), tokenizer, device)
@@ -104,13 +104,19 @@ class LLMEngine(EngineCore):
         self.device, self.dtype = loaded.device, loaded.model.dtype
         self.model_config = config = loaded.config
         self.model = loaded.model
-        max_model_len = min(settings.max_model_len or config.max_position_embeddings,
-                            config.max_position_embeddings)
+        max_model_len = min(settings.max_model_len or config.context_length, config.context_length)
+        if config.rope_depends_on_length and settings.enable_prefix_caching:
+            logger.warning("%s: its rope (%s) depends on the sequence's length, so a cached KV block is not valid "
+                           "for another length: prefix caching is off", config.model_id,
+                           (config.rope_scaling or {}).get("rope_type"))
+            settings = settings.model_copy(update={"enable_prefix_caching": False})
         num_blocks = settings.kv_blocks or max(
             1, int(settings.kv_cache_gib * 2**30) // kv_block_size_bytes(config, settings.block_size, self.dtype)
         )
         super().__init__(settings, loaded.tokenizer, model_id=config.model_id, vocab_size=config.vocab_size,
                          eos_token_id=config.eos_token_id, max_model_len=max_model_len, num_blocks=num_blocks)
+        if config.all_layers_windowed:  # Mistral-style: blocks that slid out of the window are given back
+            self.scheduler.use_sliding_window(min(config.layer_windows))
         self.runner = ModelRunner(self.model, num_blocks, settings.block_size, self.device,
                                   settings.attention_backend)
         if settings.cuda_graphs and self.device.type == "cuda" and self.runner.backend_name == "triton":

@@ -25,7 +25,7 @@ from dynserve.engine import memory, step_inputs
 from dynserve.engine.cuda_graphs import DecodeGraphs
 from dynserve.engine.kernels import AttentionMetadata
 from dynserve.engine.loader import ModelConfig
-from dynserve.engine.models.llama import LlamaForCausalLM
+from dynserve.engine.models.decoder import CausalLM
 from dynserve.engine.sampler import SampleResult, sample, sample_on_device
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
@@ -51,7 +51,7 @@ def select_attention_backend(name: str, device: torch.device) -> ModuleType:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         num_blocks: int,
         block_size: int,
         device: torch.device,
@@ -142,6 +142,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             batch.num_new_tokens, seq_lens, [s.block_table for s in batch.seqs], self.block_size, self.device
         )
+        if self.model.config.rope_depends_on_length:
+            meta.rope_lens_cpu = [max(s.num_prompt_tokens, n) for s, n in zip(batch.seqs, seq_lens, strict=True)]
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -56,6 +56,12 @@ class Scheduler:
         # prefix-cache lookups at first admission: prompt tokens looked up, and those the cache held
         self.num_queried_prompt_tokens = 0
         self.num_cached_prompt_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.sliding_window = 0  # > 0: decoding sequences give back blocks that slid out (`use_sliding_window`)
+
+    def use_sliding_window(self, window: int) -> None:
+        """The model attends within `window` tokens in every layer: after each decode step, a sequence gives
+        back the blocks no later token reads (`BlockManager.free_slid_out`)."""
+        self.sliding_window = window
 
     @property
     def num_unfinished(self) -> int:
@@ -151,6 +157,8 @@ class Scheduler:
                 continue  # aborted after it was scheduled
             seq.num_computed_tokens += num_new
             self.block_manager.register_computed_blocks(seq)
+            if self.sliding_window and seq.num_computed_tokens > seq.num_prompt_tokens:  # decoding
+                self.block_manager.free_slid_out(seq, self.sliding_window)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire `seq` (stop, length or abort) and free its blocks. Safe to call in any state."""

@@ -14,13 +14,19 @@ from pathlib import Path
 from dynserve.errors import ModelLoadError
 
 __all__ = [
-    "DEFAULT_MODEL_ID", "SUPPORTED_ARCHITECTURES", "check_engine_architecture", "default_model_path", "model_id_of",
-    "resolve_model_path",
+    "DEFAULT_MODEL_ID", "GGUF_ARCHITECTURES", "HF_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "check_engine_architecture",
+    "default_model_path", "model_id_of", "resolve_model_path",
 ]
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
-# what dynserve's engine runs (engine/models/llama.py): a GGUF's general.architecture, config.json's architectures
-SUPPORTED_ARCHITECTURES = frozenset({"llama", "LlamaForCausalLM", "MistralForCausalLM"})
+# what dynserve's engine runs (engine/models/decoder.py): a GGUF's general.architecture (Mistral's GGUFs say
+# llama) and config.json's architectures, with the family each is run as
+GGUF_ARCHITECTURES = frozenset({"llama", "qwen2", "qwen3", "gemma3", "phi3"})
+HF_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3", "Phi3ForCausalLM": "phi3",
+}
+SUPPORTED_ARCHITECTURES = GGUF_ARCHITECTURES | frozenset(HF_ARCHITECTURES)
 
 
 def default_model_path() -> Path:

@@ -5,10 +5,11 @@ The KV cache of a worker is one tensor `[num_blocks, num_layers, 2, block_size, 
 head_dim]`, sequence i owns rows `query_start_loc[i]:query_start_loc[i+1]`, and those rows sit at positions
 `seq_lens[i] - query_len_i ... seq_lens[i] - 1` of the sequence. Every backend implements
 
-    forward(query, key, value, kv_cache, layer, meta, scale) -> output [num_tokens, num_heads, head_dim]
+    forward(query, key, value, kv_cache, layer, meta, scale, window=0) -> output [num_tokens, num_heads, head_dim]
 
 which first writes the step's `key`/`value` into the cache at `meta.slot_mapping` and then attends each
-query row causally over its sequence's whole context (cached prefix included) through `meta.block_tables`.
+query row causally over its sequence's whole context (cached prefix included) through `meta.block_tables`;
+with `window` > 0 (a sliding-window layer), over its last `window` positions only.
 
 - `torch_attention`: the CPU serving path and the reference the Triton kernels are tested against.
 - `triton_attention`: Triton kernels for GPUs (run on CPU only under TRITON_INTERPRET=1, for tests).
@@ -42,6 +43,9 @@ class AttentionMetadata:
     max_query_len: int
     # whatever a backend derives once per step and reuses in every layer (set by the backend)
     backend_plan: Any = None
+    # per sequence, the length its rope frequencies depend on when they do (LongRoPE, dynamic NTK: the longer
+    # of its prompt and `seq_lens`); None: `seq_lens`
+    rope_lens_cpu: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -76,8 +80,13 @@ class AttentionMetadata:
         )
 
 
-def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 cos and sin of each position's rotary angles (`[rows, head_dim / 2]`), the step ops' shared
-    rope tables."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos(), freqs.sin()
+def rope_angles(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos and sin of each position's rotary angles (`[rows, head_dim / 2]`), times `scale` (the
+    attention factor of YaRN and LongRoPE), the step ops' shared rope tables. `inv_freq` is one set
+    (`[head_dim / 2]`) or one per row (`[rows, head_dim / 2]`, for scalings that depend on a sequence's length)."""
+    freqs = positions.float()[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
+    if scale == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * scale, freqs.sin() * scale

@@ -9,6 +9,10 @@ here and a third for GPUs (`triton_ops.TritonOps`, fused Triton kernels, chosen 
   prefill's many rows run a register-tiled GEMM. Norms, rope and the activation are fused, one call each
   instead of several eager ops. Without AVX512-BF16 the linears stay torch's.
 
+Every op exists in every implementation. Where one has no kernel of its own for a model's feature yet (the
+Triton ops' projection bias, q/k norm and GELU), it runs that piece in eager torch and says so: a warning
+once per op and a count in `eager.fallback_counts()` (a worker's `/metrics` exports it), never silently.
+
 A model prepares its linear weights once (`prepare(weight)`, the packed copy or the weight itself) and calls
 the ops with what `prepare` returned. `select_ops(dtype, device)` picks the implementation;
 `USE_NATIVE_OPS = False` (tests, A/B runs) forces the torch one.
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 
 from dynserve.engine import memory
 from dynserve.engine.kernels import cpu_native, rope_angles
+from dynserve.engine.kernels.eager import rope_qkv_eager
 
 __all__ = ["NativeBf16Ops", "PackedWeight", "StepOps", "TorchOps", "USE_NATIVE_OPS", "USE_TRITON_OPS", "pack_linear",
            "select_ops"]
@@ -32,7 +37,6 @@ USE_NATIVE_OPS = True
 USE_TRITON_OPS = True  # on CUDA (tests and A/B runs switch it off)
 
 _PANEL = 16  # output columns per packed panel (one fp32 vector of results)
-
 
 @dataclass(frozen=True, slots=True)
 class PackedWeight:
@@ -85,16 +89,25 @@ class StepOps(Protocol):
         """silu(gate) * up of `[rows, 2 * inter]` (gate first)."""
         ...
 
-    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) `[rows, head_dim / 2]` of each position, once per step."""
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu_tanh(gate) * up of `[rows, 2 * inter]` (gate first)."""
+        ...
+
+    def rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) `[rows, head_dim / 2]` of each position, times `scale`, once per step (`rope_angles`)."""
         ...
 
     def rope_qkv(
         self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,
-        head_dim: int,
+        head_dim: int, bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None, eps: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split a fused QKV projection `[rows, (heads + 2 kv_heads) * head_dim]` into q, k, v
-        (`[rows, heads, head_dim]` each), q and k rotated (rotate-half, Hugging Face layout)."""
+        (`[rows, heads, head_dim]` each), q and k rotated (rotate-half, Hugging Face layout). First, when
+        given: `bias` is added to the projection, and each q and k head is RMS-normalised with `q_norm` /
+        `k_norm` (`[head_dim]`)."""
         ...
 
 
@@ -126,25 +139,22 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = rope_angles(positions, inv_freq)
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_angles(positions, inv_freq, scale)
         return cos.to(self.dtype), sin.to(self.dtype)
 
     def rope_qkv(
         self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,
-        head_dim: int,
+        head_dim: int, bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None, eps: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n, q_dim, kv_dim = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
-        cos, sin = tables
-        q = _rotate(qkv[:, :q_dim].view(n, num_heads, head_dim), cos, sin)
-        k = _rotate(qkv[:, q_dim : q_dim + kv_dim].view(n, num_kv_heads, head_dim), cos, sin)
-        return q, k, qkv[:, q_dim + kv_dim :].view(n, num_kv_heads, head_dim)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return rope_qkv_eager(qkv, tables, num_heads, num_kv_heads, head_dim, bias, q_norm, k_norm, eps)
 
 
 class NativeBf16Ops:
@@ -182,14 +192,21 @@ class NativeBf16Ops:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._k.silu_mul(gate_up)
 
-    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_angles(positions, inv_freq)  # fp32: the kernel rotates in fp32
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._k.gelu_tanh_mul(gate_up)
+
+    def rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_angles(positions, inv_freq, scale)  # fp32: the kernel rotates in fp32
 
     def rope_qkv(
         self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,
-        head_dim: int,
+        head_dim: int, bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None, eps: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = self._k.rope_(qkv, tables[0], tables[1], num_heads, num_kv_heads, head_dim)
+        q, k, v = self._k.rope_(qkv, tables[0], tables[1], num_heads, num_kv_heads, head_dim, bias, q_norm, k_norm,
+                                eps)
         return q, k, v
 
 

@@ -1,7 +1,9 @@
 """Paged attention in plain torch: the CPU serving path and the reference for the Triton kernels.
 
 Invariant kept: after `forward`, the step's keys and values are in the cache at `meta.slot_mapping`, and each
-query row has attended exactly to positions `0 .. its own position` of its sequence.
+query row has attended exactly to positions `0 .. its own position` of its sequence, or with a sliding
+`window` > 0 to the last `window` of them (`position - window + 1 .. position`); blocks wholly before a row's
+window are never read, so the block manager may have freed them.
 
 How it stays fast on CPU (where attention, not matmuls, dominates a large decode batch):
 - a `_Plan` is derived once per step and reused by every layer (slot split, row groups, masks);
@@ -92,6 +94,8 @@ class _Plan:
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     native_decode: _NativeDecode | None = None
+    # per (window, sequence index): (first block read, mask over the keys from that block on); made on first use
+    windowed: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 def _plan(meta: AttentionMetadata, block_size: int, device: torch.device, native_kernel: Any | None) -> _Plan:
@@ -170,6 +174,19 @@ def _grouped_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return q.reshape(rows, num_kv_heads, (heads // num_kv_heads) * q_len, d)
 
 
+def _window_span(plan: _Plan, meta: AttentionMetadata, seq_index: int, q_len: int, window: int, block_size: int,
+                 device: torch.device) -> tuple[int, torch.Tensor]:
+    """(first block, mask `[q_len, keys from that block to the end]`) of a sequence's rows under a window."""
+    span = plan.windowed.get((window, seq_index))
+    if span is None:
+        seq_len = meta.seq_lens_cpu[seq_index]
+        first_block = max(0, seq_len - q_len - window + 1) // block_size
+        k_pos = torch.arange(first_block * block_size, seq_len, device=device)[None, :]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+        span = plan.windowed[(window, seq_index)] = (first_block, (k_pos <= q_pos) & (k_pos > q_pos - window))
+    return span
+
+
 def forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -178,6 +195,7 @@ def forward(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     if meta.backend_plan is None:
@@ -187,7 +205,7 @@ def forward(
         # decode rows only, in order: the cache write and the attention in one call
         nd = plan.native_decode
         return nd.kernel.write_and_decode(query, key, value, kv_cache, layer, meta.slot_mapping, nd.block_tables,
-                                          nd.seq_lens, scale)
+                                          nd.seq_lens, scale, window)
     _write(kv_cache, layer, key, value, plan.block_ids, plan.offsets)
     out = torch.empty_like(query)
     # bf16 prefill attends in fp32 on CPU: torch's CPU flash attention is slower in bf16 (30 layers of a
@@ -195,6 +213,11 @@ def forward(
     compute = torch.float32 if query.device.type == "cpu" and query.dtype == torch.bfloat16 else query.dtype
     for row in plan.prefill_rows:
         q = query[row.start : row.end].transpose(0, 1).unsqueeze(0).to(compute)  # [1, heads, q_len, head_dim]
+        if window and row.seq_len > window:
+            out[row.start : row.end] = _attend_window(
+                q, kv_cache, layer, meta, plan, row.seq_index, row.end - row.start, window, scale, compute
+            ).squeeze(0).transpose(0, 1)
+            continue
         if row.mask is None:  # nothing cached before this chunk: attend over the keys in hand
             k = key[row.start : row.end].transpose(0, 1).unsqueeze(0).to(compute)
             v = value[row.start : row.end].transpose(0, 1).unsqueeze(0).to(compute)
@@ -208,12 +231,35 @@ def forward(
     if plan.native_decode is not None:
         nd = plan.native_decode
         out[nd.token_idx] = nd.kernel.paged_decode(
-            query[nd.token_idx], kv_cache, layer, nd.block_tables, nd.seq_lens, scale
+            query[nd.token_idx], kv_cache, layer, nd.block_tables, nd.seq_lens, scale, window
         )
     for group in plan.decode_groups:
         rows = group.token_idx.shape[0]
+        if window:  # the torch path's windowed decode rows: one at a time (the native kernel is the fast path)
+            for token in group.token_idx.tolist():
+                seq_index = meta.query_start_loc_cpu.index(token)
+                q = query[token : token + 1].transpose(0, 1).unsqueeze(0)
+                out[token] = _attend_window(q, kv_cache, layer, meta, plan, seq_index, 1, window, scale,
+                                            query.dtype)[0, :, 0]
+            continue
         k, v = _gather(kv_cache, layer, group.block_ids, rows)
         q = _grouped_query(query[group.token_idx].unsqueeze(2), num_kv_heads)
         o = F.scaled_dot_product_attention(q, k.to(query.dtype), v.to(query.dtype), attn_mask=group.mask, scale=scale)
         out[group.token_idx] = o.reshape(rows, -1, query.shape[-1])
     return out
+
+
+def _attend_window(
+    q: torch.Tensor, kv_cache: torch.Tensor, layer: int, meta: AttentionMetadata, plan: _Plan, seq_index: int,
+    q_len: int, window: int, scale: float, compute: torch.dtype,
+) -> torch.Tensor:
+    """Attention of one sequence's `q_len` last rows (`q`: `[1, heads, q_len, head_dim]`) over the keys in
+    their windows, read from the cache starting at the first block any of them needs."""
+    block_size = kv_cache.shape[3]
+    first_block, mask = _window_span(plan, meta, seq_index, q_len, window, block_size, q.device)
+    seq_len = meta.seq_lens_cpu[seq_index]
+    num_blocks = -(-seq_len // block_size)
+    k, v = _gather(kv_cache, layer, meta.block_tables[seq_index, first_block:num_blocks].long(), 1)
+    keys = seq_len - first_block * block_size
+    k, v = k[:, :, :keys].to(compute), v[:, :, :keys].to(compute)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -11,7 +11,8 @@ Three kernels over the block-major cache `[num_blocks, num_layers, 2, block_size
   causally over the cached prefix and the chunk itself.
 
 Invariants kept: after `forward`, the step's keys and values are in the cache at `meta.slot_mapping`, and
-each query row has attended exactly to positions `0 .. its own position` of its sequence. Keys are always read
+each query row has attended exactly to positions `0 .. its own position` of its sequence (with a sliding
+`window`, the last `window` of them; keys before a tile's window are neither loaded nor their blocks read). Keys are always read
 back from the cache (which `forward` writes first, on the same stream), so a row sees its chunk's keys at
 cache precision. Key tiles gather their block ids position by position, so tiles may span several blocks and
 any `block_size` works.
@@ -61,6 +62,9 @@ class Tuning:
 
 
 TUNING = Tuning()
+
+
+_NO_WINDOW = 1 << 30  # the window a kernel is given for "none": longer than any context
 
 
 def _jit(fn):
@@ -152,7 +156,7 @@ def _online_softmax_step(q, k, v, mask, acc, m_i, l_i, qk_scale_log2, DOT_FP32: 
 @_jit
 def _decode_kernel(
     out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale_log2, layer,
+    qk_scale_log2, layer, window,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
     stride_c_block, stride_c_layer, stride_c_kv, stride_c_slot, stride_c_head,
     block_size, head_dim,
@@ -180,16 +184,18 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt_seq
-    for start in range(0, num_keys, BLOCK_N):
+    first_key = tl.maximum(num_keys - window, 0)  # the sliding window's first key (0 without a window)
+    for start in range((first_key // BLOCK_N) * BLOCK_N, num_keys, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < num_keys)[:, None] & (offs_d < head_dim)[None, :]
+        in_window = (offs_n < num_keys) & (offs_n >= first_key)
+        kv_mask = in_window[:, None] & (offs_d < head_dim)[None, :]
         offs = _kv_tile_offsets(
             table_ptr, offs_n, num_keys, block_size, layer, kv_head,
             stride_c_block, stride_c_layer, stride_c_slot, stride_c_head, offs_d,
         )  # fmt: skip
         k = tl.load(cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + offs + stride_c_kv, mask=kv_mask, other=0.0)
-        mask = row_mask[:, None] & (offs_n < num_keys)[None, :]
+        mask = row_mask[:, None] & in_window[None, :]
         acc, m_i, l_i = _online_softmax_step(q, k, v, mask, acc, m_i, l_i, qk_scale_log2, DOT_FP32)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -200,7 +206,7 @@ def _decode_kernel(
 @_jit
 def _prefill_kernel(
     out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale_log2, layer,
+    qk_scale_log2, layer, window,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_bt_seq,
     stride_c_block, stride_c_layer, stride_c_kv, stride_c_slot, stride_c_head,
     block_size, head_dim,
@@ -235,16 +241,19 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_ptr = block_tables_ptr + seq * stride_bt_seq
-    for start in range(0, num_keys, BLOCK_N):
+    # the sliding window of the tile's first row begins here (0 without a window); no row needs keys before it
+    first_key = tl.maximum(context_len + tile_start - window + 1, 0)
+    for start in range((first_key // BLOCK_N) * BLOCK_N, num_keys, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        kv_mask = (offs_n < num_keys)[:, None] & (offs_d < head_dim)[None, :]
+        kv_mask = ((offs_n < num_keys) & (offs_n >= first_key))[:, None] & (offs_d < head_dim)[None, :]
         offs = _kv_tile_offsets(
             table_ptr, offs_n, num_keys, block_size, layer, kv_head,
             stride_c_block, stride_c_layer, stride_c_slot, stride_c_head, offs_d,
         )  # fmt: skip
         k = tl.load(cache_ptr + offs, mask=kv_mask, other=0.0)
         v = tl.load(cache_ptr + offs + stride_c_kv, mask=kv_mask, other=0.0)
-        mask = row_mask[:, None] & (offs_n[None, :] <= q_pos[:, None])
+        causal = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
+        mask = row_mask[:, None] & causal
         acc, m_i, l_i = _online_softmax_step(q, k, v, mask, acc, m_i, l_i, qk_scale_log2, DOT_FP32)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -301,8 +310,10 @@ def forward(
     layer: int,
     meta: AttentionMetadata,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Write the step's K/V, then attend every query row causally over its sequence (see module docstring)."""
+    """Write the step's K/V, then attend every query row causally over its sequence, or its last `window`
+    tokens when window > 0 (see module docstring)."""
     _require_triton()
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[4]
@@ -319,7 +330,7 @@ def forward(
     heads_per_kv = num_heads // num_kv_heads
     common = (
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        scale * _LOG2E, layer,
+        scale * _LOG2E, layer, window if window > 0 else _NO_WINDOW,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
         *_cache_strides(kv_cache),
         kv_cache.shape[3], head_dim,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dynserve.engine.kernels import rope_angles
+from dynserve.engine.kernels.eager import note_fallback, rope_qkv_eager
 
 try:
     import triton
@@ -135,13 +136,24 @@ class TritonOps:
         )  # fmt: skip
         return out
 
-    def rope_tables(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_angles(positions, inv_freq)  # fp32: the kernel rotates in fp32
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        note_fallback(self.name, "gelu_tanh_mul")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+    def rope_tables(
+        self, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_angles(positions, inv_freq, scale)  # fp32: the kernel rotates in fp32
 
     def rope_qkv(
         self, qkv: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], num_heads: int, num_kv_heads: int,
-        head_dim: int,
+        head_dim: int, bias: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None, eps: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if bias is not None or q_norm is not None:
+            note_fallback(self.name, "qkv bias and q/k norm")
+            return rope_qkv_eager(qkv, tables, num_heads, num_kv_heads, head_dim, bias, q_norm, k_norm, eps)
         n, q_dim, kv_dim = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
         if qkv.stride(-1) != 1:
             qkv = qkv.contiguous()

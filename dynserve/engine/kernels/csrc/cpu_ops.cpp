@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -182,6 +183,17 @@ inline void rms_norm_row(const at::BFloat16* __restrict__ in, const at::BFloat16
   for (int64_t i = 0; i < H; ++i) out[i] = to_bf16(to_f32(in[i]) * inv * to_f32(weight[i]));
 }
 
+inline void rms_norm_in_place(at::BFloat16* x, const at::BFloat16* __restrict__ weight, int64_t H, float eps) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < H; ++i) {
+    const float v = to_f32(x[i]);
+    sum += v * v;
+  }
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
+  for (int64_t i = 0; i < H; ++i) x[i] = to_bf16(to_f32(x[i]) * inv * to_f32(weight[i]));
+}
+
 void check_norm_weight(const torch::Tensor& weight, int64_t H, const char* name) {
   TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.is_contiguous(), name, ": bf16 weight");
   TORCH_CHECK(weight.numel() == H, name, ": ", weight.numel(), " weights for rows of ", H);
@@ -256,30 +268,83 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// gelu_tanh(gate) * up for bf16 gate_up [M, 2I] (gate first): [M, I] (Gemma's MLP activation).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  check_bf16_rows(gate_up, "gelu_tanh_mul");
+  gate_up = gate_up.contiguous();
+  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "gelu_tanh_mul: odd width");
+  auto out = torch::empty({M, I}, gate_up.options());
+  const auto* gp = gate_up.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const at::BFloat16* g = gp + m * 2 * I;
+      const at::BFloat16* u = g + I;
+      at::BFloat16* o = op + m * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        // as torch: the activation rounded to bf16 before the product
+        const float x = to_f32(g[i]);
+        const float a = to_f32(to_bf16(0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)))));
+        o[i] = to_bf16(a * to_f32(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
 // Rotate-half rotary embedding, in place, on the query and key heads of bf16 qkv [M, (Hq + 2 Hkv) * D]
-// (the value heads are left alone); cos and sin are fp32 [M, D / 2]. Returns q, k and v as views of qkv
-// ([M, heads, D] each): made here, they cost a fraction of what three slices and views cost in Python.
+// (the value heads are left alone); cos and sin are fp32 [M, D / 2]. Before the rotation, optionally: the
+// projection's bias ([(Hq + 2 Hkv) * D], Qwen2) is added to every head, q and k included, and each query and
+// key head is RMS-normalised with its own weight ([D], Qwen3 and Gemma 3's q/k norm, rounded to bf16 as the
+// reference does). Returns q, k and v as views of qkv ([M, heads, D] each): made here, they cost a fraction
+// of what three slices and views cost in Python.
 std::vector<torch::Tensor> rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t head_dim) {
+                                 int64_t num_kv_heads, int64_t head_dim, std::optional<torch::Tensor> bias,
+                                 std::optional<torch::Tensor> q_norm, std::optional<torch::Tensor> k_norm,
+                                 double eps) {
   check_bf16_rows(qkv, "rope_");
   TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
                   cos.is_contiguous() && sin.is_contiguous(),
               "rope_: fp32 contiguous cos and sin");
   const int64_t M = qkv.size(0), half = head_dim / 2, rotated = num_heads + num_kv_heads;
-  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim && cos.size(0) == M &&
-                  cos.size(1) == half && sin.sizes() == cos.sizes(),
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  TORCH_CHECK(qkv.size(1) == width && cos.size(0) == M && cos.size(1) == half && sin.sizes() == cos.sizes(),
               "rope_: shapes");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "rope_: q and k norms come together");
+  const at::BFloat16* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() && bias->numel() == width,
+                "rope_: a bf16 bias of ", width);
+    bp = bias->data_ptr<at::BFloat16>();
+  }
+  const at::BFloat16 *qn = nullptr, *kn = nullptr;
+  if (q_norm.has_value()) {
+    check_norm_weight(*q_norm, head_dim, "rope_ (q norm)");
+    check_norm_weight(*k_norm, head_dim, "rope_ (k norm)");
+    qn = q_norm->data_ptr<at::BFloat16>();
+    kn = k_norm->data_ptr<at::BFloat16>();
+  }
   auto* base = qkv.data_ptr<at::BFloat16>();
   const int64_t ld = qkv.stride(0);
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
+  const float epsf = static_cast<float>(eps);
   at::parallel_for(0, M, 32, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
+      at::BFloat16* row = base + m * ld;
+      if (bp != nullptr) {
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) row[i] = to_bf16(to_f32(row[i]) + to_f32(bp[i]));
+      }
       const float* c = cp + m * half;
       const float* s = sp + m * half;
       for (int64_t h = 0; h < rotated; ++h) {
-        at::BFloat16* x1 = base + m * ld + h * head_dim;
+        at::BFloat16* x1 = row + h * head_dim;
         at::BFloat16* x2 = x1 + half;
+        if (qn != nullptr) rms_norm_in_place(x1, h < num_heads ? qn : kn, head_dim, epsf);
 #pragma omp simd
         for (int64_t i = 0; i < half; ++i) {
           const float a = to_f32(x1[i]), b2 = to_f32(x2[i]);
@@ -303,5 +368,7 @@ void register_cpu_ops(pybind11::module& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows", release());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
-  m.def("rope_", &rope_, "rotate-half rope on q and k heads, in place; q, k, v views", release());
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up", release());
+  m.def("rope_", &rope_, "bias, q/k norm and rotate-half rope on q and k heads, in place; q, k, v views",
+        release());
 }

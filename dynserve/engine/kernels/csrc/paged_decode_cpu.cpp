@@ -28,6 +28,7 @@ struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   int64_t s_block, s_kv, s_tok, s_head;
   bool bf16_dot;  // the bf16 cache's scores may use vdpbf16ps (the query came as bf16)
+  int64_t window;  // > 0: a row attends only to its last `window` tokens (sliding window); 0: to all
 };
 
 template <int64_t D, typename T>
@@ -104,16 +105,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void accumulate_
 }
 #endif
 
-// Attention of one (sequence, KV head): `group` query rows over `len` cached tokens. With D and G known at
-// compile time (the common shapes), the output rows live in a local array the compiler keeps in registers,
-// and each key/value row is loaded once for all G query heads. The next block's rows are prefetched while
-// one block is processed.
+// Attention of one (sequence, KV head): `group` query rows over the cached tokens `start .. len - 1` (`start`
+// is 0, or where a sliding window begins; blocks wholly before it are never read, so they may have been
+// freed). With D and G known at compile time (the common shapes), the output rows live in a local array the
+// compiler keeps in registers, and each key/value row is loaded once for all G query heads. The next
+// block's rows are prefetched while one block is processed.
 template <int64_t D, int64_t G, typename T>
 void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* __restrict__ table,
-                int64_t len, int64_t kv_head, const float* __restrict__ q, float* __restrict__ out,
+                int64_t len, int64_t start, int64_t kv_head, const float* __restrict__ q, float* __restrict__ out,
                 float scale, std::vector<float>& scores) {
   const int64_t group = G > 0 ? G : lay.group, hd = D > 0 ? D : lay.head_dim, bs = lay.block_size;
-  scores.resize(group * len);
+  const int64_t n = len - start;  // keys attended; score t of a row is token start + t
+  scores.resize(group * n);
   float* __restrict__ s = scores.data();
   // a bf16 cache on a CPU with AVX512-BF16: scores from the query in bf16 (exact: it came from bf16 rows)
   at::BFloat16 q_bf16[(D > 0 && G > 0) ? D * G : 1];
@@ -124,65 +127,80 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
       qb = q_bf16;
     }
   }
-  const int64_t num_blocks = (len + bs - 1) / bs;
+  const int64_t first_block = start / bs, num_blocks = (len + bs - 1) / bs;
+  // the part of block b that is attended: tokens lo .. hi - 1 of it
+  auto span = [&](int64_t b, int64_t& lo, int64_t& hi) {
+    lo = std::max<int64_t>(0, start - b * bs);
+    hi = std::min(bs, len - b * bs);
+  };
   const int64_t stride_bytes = lay.s_tok * static_cast<int64_t>(sizeof(T)), row_bytes = hd * static_cast<int64_t>(sizeof(T));
-  prefetch_rows(cache + table[0] * lay.s_block + kv_head * lay.s_head, std::min(bs, len), stride_bytes, row_bytes);
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* base = cache + table[b] * lay.s_block + kv_head * lay.s_head;
-    const int64_t first = b * bs, count = std::min(bs, len - first);
+  int64_t lo0, hi0;
+  span(first_block, lo0, hi0);
+  prefetch_rows(cache + table[first_block] * lay.s_block + kv_head * lay.s_head + lo0 * lay.s_tok, hi0 - lo0,
+                stride_bytes, row_bytes);
+  for (int64_t b = first_block; b < num_blocks; ++b) {
+    int64_t lo, hi;
+    span(b, lo, hi);
+    const T* base = cache + table[b] * lay.s_block + kv_head * lay.s_head + lo * lay.s_tok;
+    const int64_t first = b * bs + lo - start, count = hi - lo;
     if (b + 1 < num_blocks) {
-      prefetch_rows(cache + table[b + 1] * lay.s_block + kv_head * lay.s_head, std::min(bs, len - first - bs),
-                    stride_bytes, row_bytes);
+      int64_t lo1, hi1;
+      span(b + 1, lo1, hi1);
+      prefetch_rows(cache + table[b + 1] * lay.s_block + kv_head * lay.s_head, hi1, stride_bytes, row_bytes);
     } else {  // the values' first block, for the second pass
-      prefetch_rows(cache + table[0] * lay.s_block + lay.s_kv + kv_head * lay.s_head, std::min(bs, len),
-                    stride_bytes, row_bytes);
+      prefetch_rows(cache + table[first_block] * lay.s_block + lay.s_kv + kv_head * lay.s_head + lo0 * lay.s_tok,
+                    hi0 - lo0, stride_bytes, row_bytes);
     }
 #if defined(__x86_64__)
     if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
       if (qb != nullptr) {
-        score_block_bf16<D, G>(qb, base, lay.s_tok, count, s + first, len, scale);
+        score_block_bf16<D, G>(qb, base, lay.s_tok, count, s + first, n, scale);
         continue;
       }
     }
 #endif
     for (int64_t j = 0; j < count; ++j) {
       const T* k = base + j * lay.s_tok;
-      for (int64_t g = 0; g < group; ++g) s[g * len + first + j] = dot<D>(q + g * hd, k, hd) * scale;
+      for (int64_t g = 0; g < group; ++g) s[g * n + first + j] = dot<D>(q + g * hd, k, hd) * scale;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* sg = s + g * len;
-    const float m = *std::max_element(sg, sg + len);
+    float* sg = s + g * n;
+    const float m = *std::max_element(sg, sg + n);
     float total = 0.f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = 0; t < n; ++t) {
       sg[t] = std::exp(sg[t] - m);
       total += sg[t];
     }
     const float inv = 1.f / total;
-    for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+    for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
   }
   constexpr int64_t kLocal = (D > 0 && G > 0) ? D * G : 1;
   float local[kLocal] = {};
   float* acc = (D > 0 && G > 0) ? local : out;
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    const T* base = cache + table[b] * lay.s_block + lay.s_kv + kv_head * lay.s_head;
-    const int64_t first = b * bs, count = std::min(bs, len - first);
+  for (int64_t b = first_block; b < num_blocks; ++b) {
+    int64_t lo, hi;
+    span(b, lo, hi);
+    const T* base = cache + table[b] * lay.s_block + lay.s_kv + kv_head * lay.s_head + lo * lay.s_tok;
+    const int64_t first = b * bs + lo - start, count = hi - lo;
     if (b + 1 < num_blocks) {
-      prefetch_rows(cache + table[b + 1] * lay.s_block + lay.s_kv + kv_head * lay.s_head,
-                    std::min(bs, len - first - bs), stride_bytes, row_bytes);
+      int64_t lo1, hi1;
+      span(b + 1, lo1, hi1);
+      prefetch_rows(cache + table[b + 1] * lay.s_block + lay.s_kv + kv_head * lay.s_head, hi1, stride_bytes,
+                    row_bytes);
     }
 #if defined(__x86_64__)
     if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
       if (qb != nullptr) {
-        accumulate_block_bf16<D, G>(base, lay.s_tok, count, s + first, len, acc);
+        accumulate_block_bf16<D, G>(base, lay.s_tok, count, s + first, n, acc);
         continue;
       }
     }
 #endif
     for (int64_t j = 0; j < count; ++j) {
       const T* v = base + j * lay.s_tok;
-      for (int64_t g = 0; g < group; ++g) axpy<D>(acc + g * hd, v, s[g * len + first + j], hd);
+      for (int64_t g = 0; g < group; ++g) axpy<D>(acc + g * hd, v, s[g * n + first + j], hd);
     }
   }
   if (acc != out) std::copy(local, local + kLocal, out);
@@ -196,7 +214,8 @@ void run(const Layout& lay, const T* cache, const int32_t* tables, const int32_t
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / lay.num_kv_heads, kv_head = item % lay.num_kv_heads;
       const int64_t row = (seq * lay.num_heads + kv_head * lay.group) * lay.head_dim;
-      attend_one<D, G, T>(lay, cache, tables + seq * lay.max_blocks, lens[seq], kv_head, q_all + row,
+      const int64_t start = lay.window > 0 ? std::max<int64_t>(0, lens[seq] - lay.window) : 0;
+      attend_one<D, G, T>(lay, cache, tables + seq * lay.max_blocks, lens[seq], start, kv_head, q_all + row,
                     out_all + row, scale, scores);
     }
   });
@@ -244,7 +263,7 @@ void write_rows(const S* key, const S* value, T* cache, const int64_t* slots, in
 // Every row's context fits its block table, every block it uses is in the cache, and the layer exists: the
 // kernel reads (and write_and_decode writes) through them without further checks.
 void check_metadata(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& block_tables,
-                    const torch::Tensor& seq_lens) {
+                    const torch::Tensor& seq_lens, int64_t window) {
   TORCH_CHECK(kv_cache.device().is_cpu(), "paged_decode: a CPU cache");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "paged_decode: layer ", layer, " out of range");
   const int64_t num_blocks = kv_cache.size(0), block_size = kv_cache.size(3), max_blocks = block_tables.size(1);
@@ -253,7 +272,8 @@ void check_metadata(const torch::Tensor& kv_cache, int64_t layer, const torch::T
   for (int64_t i = 0; i < seq_lens.size(0); ++i) {
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "paged_decode: context length ", lens[i],
                 " does not fit its block table");
-    for (int64_t b = 0; b < (lens[i] + block_size - 1) / block_size; ++b) {
+    const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+    for (int64_t b = start / block_size; b < (lens[i] + block_size - 1) / block_size; ++b) {
       const int32_t block = tables[i * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: block ", block, " out of range");
     }
@@ -261,7 +281,7 @@ void check_metadata(const torch::Tensor& kv_cache, int64_t layer, const torch::T
 }
 
 torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t layer,
-                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   const auto cache_type = kv_cache.scalar_type();
   TORCH_CHECK(cache_type == torch::kFloat32 || cache_type == torch::kBFloat16, "paged_decode: fp32 or bf16 cache");
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 || query.scalar_type() == cache_type,
@@ -275,11 +295,12 @@ torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t
   const int64_t num_seqs = query.size(0);
   Layout lay{query.size(1), kv_cache.size(4), 0, query.size(2), kv_cache.size(3), block_tables.size(1),
              kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
-             out_type == torch::kBFloat16 && has_avx512_bf16()};
+             out_type == torch::kBFloat16 && has_avx512_bf16(), window};
+  TORCH_CHECK(window >= 0, "paged_decode: negative window");
   TORCH_CHECK(kv_cache.size(5) == lay.head_dim && lay.num_heads % lay.num_kv_heads == 0,
               "paged_decode: bad shapes");
   TORCH_CHECK(seq_lens.size(0) == num_seqs && block_tables.size(0) == num_seqs, "paged_decode: bad rows");
-  check_metadata(kv_cache, layer, block_tables, seq_lens);
+  check_metadata(kv_cache, layer, block_tables, seq_lens, window);
   lay.group = lay.num_heads / lay.num_kv_heads;
   auto out = torch::zeros_like(query);
   const float s = static_cast<float>(scale);
@@ -297,18 +318,19 @@ torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t
 
 }  // namespace
 
-// Attention of each query row (one token per sequence) over its cached context; the result has the query's
-// dtype. The cache is fp32 or bf16; the query is fp32 or the cache's dtype.
+// Attention of each query row (one token per sequence) over its cached context (its last `window` tokens
+// when window > 0); the result has the query's dtype. The cache is fp32 or bf16; the query is fp32 or the
+// cache's dtype.
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, int64_t layer,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  return attend(std::move(query), kv_cache, layer, std::move(block_tables), std::move(seq_lens), scale);
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
+  return attend(std::move(query), kv_cache, layer, std::move(block_tables), std::move(seq_lens), scale, window);
 }
 
 // A step of decode rows only, in one call: each row's key and value ([rows, kv_heads, head_dim], the
 // query's dtype) go into the cache at its slot first, then `paged_decode`.
 torch::Tensor write_and_decode(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache,
                                int64_t layer, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                               torch::Tensor seq_lens, double scale) {
+                               torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
               "write_and_decode: query, key and value share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.size(0) == query.size(0),
@@ -337,7 +359,7 @@ torch::Tensor write_and_decode(torch::Tensor query, torch::Tensor key, torch::Te
   } else {
     TORCH_CHECK(false, "write_and_decode: key and cache must share a dtype (fp32 or bf16)");
   }
-  return attend(std::move(query), kv_cache, layer, std::move(block_tables), std::move(seq_lens), scale);
+  return attend(std::move(query), kv_cache, layer, std::move(block_tables), std::move(seq_lens), scale, window);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
