@@ -179,6 +179,18 @@ def test_characters_outside_the_vocabulary_fall_back_to_their_bytes(vocab_dir: P
     assert _stream(llama2, token_ids) == ["", " ", "", "", "", "🦙", " x", ""]
 
 
+def test_phi3_drops_the_whitespace_after_its_special_tokens_as_llama_cpp_does(vocab_dir: Path) -> None:
+    phi3 = load(vocab_dir / "ggml-vocab-phi-3.gguf")  # general.name "Phi3": llama.cpp sets RSTRIP on them
+    user, end, assistant = (phi3._raw.token_to_id(t) for t in ("<|user|>", "<|end|>", "<|assistant|>"))
+    chat = phi3.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<s><|user|>\nhi<|end|>\n<|assistant|>\n"
+    assert phi3.encode(chat) == [1, user, phi3._raw.token_to_id("\u2581hi"), end, assistant]
+    assert phi3.encode("<|endoftext|> hi") == [1, 32000, *phi3.encode(" hi")[1:]]  # not this one
+    assert phi3.encode("</s>\nhi") == [1, 2, phi3._raw.token_to_id("\u2581hi")]
+    llama2 = load(vocab_dir / "ggml-vocab-llama-spm.gguf")  # another model: the whitespace stays
+    assert llama2.encode("</s>\nhi") == [1, 2, *llama2.encode("\nhi")[1:]] and len(llama2.encode("\nhi")) > 2
+
+
 def test_phi3_ends_a_generation_at_its_eos_and_at_the_end_of_its_turns(vocab_dir: Path) -> None:
     phi3 = load(vocab_dir / "ggml-vocab-phi-3.gguf")
     end_of_text, end = phi3._raw.token_to_id("<|endoftext|>"), phi3._raw.token_to_id("<|end|>")
@@ -190,14 +202,16 @@ def test_phi3_ends_a_generation_at_its_eos_and_at_the_end_of_its_turns(vocab_dir
 @dataclass(frozen=True)
 class ReferenceSpm:
     """llama.cpp's SPM tokenizer (llama-vocab.cpp) written plainly, as the reference for random strings: cut the
-    text at control, unknown and user-defined tokens, longest token first; put a space before each piece when
-    add_space_prefix says so; spaces to "▁"; from single characters, merge the adjacent pair whose
+    text at control, unknown and user-defined tokens, longest token first (for Phi-3, dropping the whitespace
+    after all of them but <unk>, <s> and <|endoftext|>); put a space before each piece when add_space_prefix
+    says so; spaces to "▁"; from single characters, merge the adjacent pair whose
     concatenation is the best-scored token, leftmost among equals, until none is; a piece that is no token
     is its UTF-8 bytes."""
 
     ids: dict[str, int]
     scores: list[float]
     added: list[str]  # longest first
+    rstrip: set[str]
     space_prefix: str
 
     @classmethod
@@ -208,7 +222,9 @@ class ReferenceSpm:
         added = sorted((token for token, kind in zip(tokens, types, strict=True) if kind in (2, 3, 4)),
                        key=len, reverse=True)
         prefix = " " if metadata.get("tokenizer.ggml.add_space_prefix", True) else ""
-        return cls({token: token_id for token_id, token in enumerate(tokens)}, scores, added, prefix)
+        phi3 = any(name in metadata.get("general.name", "").lower() for name in ("phi-3", "phi3"))
+        rstrip = {*added, "</s>"} - {"<unk>", "<s>", "<|endoftext|>"} if phi3 else set()
+        return cls({token: token_id for token_id, token in enumerate(tokens)}, scores, added, rstrip, prefix)
 
     def encode(self, text: str) -> list[int]:
         fragments: list[str | int] = [text]
@@ -217,6 +233,8 @@ class ReferenceSpm:
             for fragment in fragments:
                 parts = [fragment] if isinstance(fragment, int) else fragment.split(token)
                 for j, part in enumerate(parts):
+                    if j and token in self.rstrip:
+                        part = part.lstrip(" \t\n\v\f\r")
                     cut += ([self.ids[token]] if j else []) + ([part] if part != "" else [])
             fragments = cut
         token_ids: list[int] = []
@@ -243,6 +261,7 @@ SPM_PIECES = [
     "the", "The", " token", "izer", "serving", "LLM", "naïve", "über", "日本", "語", "北京", "😀", "🦙", "👍🏽", "é", "ß",
     "Ж", "λ", "∑", "→", "…", "0", "7", "42", "1999", "3.5", "(", ")", "{", "}", ";", ",", ".", "!", "?", "'s", '"',
     "def", "return", "x_1", "__init__", "http://", "\u2581", "\U0001F9A0", "\u0301", "\u00a0", "<b>", "</s>",
+    "<|user|>", "<|end|>", "<|assistant|>", "<start_of_turn>", "<end_of_turn>", "<|endoftext|>",
 ]  # fmt: skip
 SPM_SEPARATORS = ["", "", " ", " ", "  ", "   ", "\n", "\n\n", "\t", " \n", "\r\n"]
 

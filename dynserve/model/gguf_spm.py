@@ -2,7 +2,9 @@
 `tokenizers.Tokenizer` that splits text the way llama.cpp's SPM tokenizer does.
 
 llama.cpp's algorithm, which this module reproduces with the library's BPE model:
-- text is cut at the vocabulary's control and user-defined tokens first (`Tokenizer.encode` does this);
+- text is cut at the vocabulary's control and user-defined tokens first (`Tokenizer.encode` does this); for
+  Phi-3 (a `general.name` holding "phi-3" or "phi3"), the whitespace after most of them is dropped, as
+  llama.cpp sets its RSTRIP attribute on them (`rstrip_token_ids`);
 - each piece between them gets a leading space when the GGUF says `tokenizer.ggml.add_space_prefix` (true
   when absent, as llama.cpp assumes), then every space becomes "▁";
 - starting from single characters, the adjacent pair whose concatenation is a token with the highest score is
@@ -34,7 +36,7 @@ from tokenizers import AddedToken, models, normalizers
 
 from dynserve.errors import TokenizerError
 
-__all__ = ["SpmVocabulary", "build_spm_vocabulary", "spm_merges", "spm_token_bytes"]
+__all__ = ["SpmVocabulary", "build_spm_vocabulary", "rstrip_token_ids", "spm_merges", "spm_token_bytes"]
 
 # llama.cpp's token types (the GGUF's tokenizer.ggml.token_type)
 TOKEN_TYPE_NORMAL = 1
@@ -55,6 +57,7 @@ class SpmVocabulary:
     raw: tokenizers.Tokenizer
     token_bytes: tuple[bytes, ...]
     add_space_prefix: bool
+    rstrip_token_ids: frozenset[int]  # the whitespace after these is not encoded
 
 
 def build_spm_vocabulary(metadata: dict[str, Any], source: str) -> SpmVocabulary:
@@ -88,7 +91,20 @@ def build_spm_vocabulary(metadata: dict[str, Any], source: str) -> SpmVocabulary
                             if kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN)])
     raw.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_USER_DEFINED])
-    return SpmVocabulary(raw, spm_token_bytes(tokens, token_types), add_space_prefix)
+    rstrip = rstrip_token_ids(str(metadata.get("general.name", "")), tokens, token_types)
+    return SpmVocabulary(raw, spm_token_bytes(tokens, token_types), add_space_prefix, rstrip)
+
+
+def rstrip_token_ids(model_name: str, tokens: list[str], token_types: list[int]) -> frozenset[int]:
+    """The tokens after which llama.cpp drops whitespace, chosen as it chooses them by the model's name: for
+    Phi-3, every control, unknown and user-defined token and "</s>", but for "<unk>", "<s>" and
+    "<|endoftext|>"; for any other model none."""
+    name = model_name.lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return frozenset()
+    kinds, kept = (TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED), {"<unk>", "<s>", "<|endoftext|>"}
+    return frozenset(token_id for token_id, (token, kind) in enumerate(zip(tokens, token_types, strict=True))
+                     if (kind in kinds or token == "</s>") and token not in kept)
 
 
 def spm_merges(tokens: list[str], scores: list[float], token_types: list[int]) -> list[tuple[str, str]]:

@@ -78,6 +78,7 @@ def _whole_texts(token_bytes: tuple[bytes, ...]) -> tuple[str | None, ...]:
 
 
 _PIECE_CACHE_SIZE = 4096
+_C_WHITESPACE = " \t\n\v\f\r"
 _MAX_CACHED_PIECE_CHARS = 32_768  # longer pieces are encoded each time rather than pinned in the cache
 
 
@@ -87,6 +88,7 @@ class _SpecialTokens:
     eos_token_id: int | None
     add_bos_token: bool
     end_token_ids: tuple[int, ...] = ()  # other ids that end a generation (GGUF eot/eom, generation_config)
+    rstrip_token_ids: frozenset[int] = frozenset()  # `encode` drops the whitespace after these (Phi-3's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,9 @@ class Tokenizer:
             token_id for token_id, added in raw.get_added_tokens_decoder().items() if added.special
         )
         self._added_split, self._added_ids = added_token_splitter(raw)
+        self._rstrip_ids = special.rstrip_token_ids
+        if self._rstrip_ids and self._added_split is None:
+            raise TokenizerError("tokens that strip the whitespace after them need the added-token split")
         self._ascii_words = AsciiWords.for_tokenizer(raw) if self._added_split is not None else None
         self._encode_piece = functools.lru_cache(maxsize=_PIECE_CACHE_SIZE)(self._encode_uncached)
         named = [("bos", self.bos_token_id), ("eos", self.eos_token_id)]
@@ -173,6 +178,7 @@ class Tokenizer:
                 eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
                 add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default
                 end_token_ids=end_token_ids,
+                rstrip_token_ids=spm.rstrip_token_ids,
             )
             return cls(spm.raw, special, chat_template, _Decoding(spm.token_bytes, spm.add_space_prefix))
         pre = gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre"), str(path))
@@ -239,14 +245,18 @@ class Tokenizer:
         if self._added_split is None:
             token_ids += self._raw.encode(text, add_special_tokens=False).ids
             return token_ids
-        added_ids, encode_piece = self._added_ids, self._encode_piece
-        for piece in self._added_split.split(text):
+        added_ids, encode_piece, rstrip_ids = self._added_ids, self._encode_piece, self._rstrip_ids
+        after_rstrip = False
+        for index, piece in enumerate(self._added_split.split(text)):
+            if index % 2:  # the split alternates text and added tokens
+                token_ids.append(added_ids[piece])
+                after_rstrip = token_ids[-1] in rstrip_ids
+                continue
+            if after_rstrip:  # text after a token that strips it, as llama.cpp strips it (C's isspace)
+                piece = piece.lstrip(_C_WHITESPACE)
             if not piece:
                 continue
-            added = added_ids.get(piece)
-            if added is not None:
-                token_ids.append(added)
-            elif len(piece) <= _MAX_CACHED_PIECE_CHARS:
+            if len(piece) <= _MAX_CACHED_PIECE_CHARS:
                 token_ids += encode_piece(piece)
             else:
                 token_ids += self._encode_text(piece)
