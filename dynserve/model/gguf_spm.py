@@ -136,8 +136,10 @@ def spm_token_bytes(tokens: list[str], token_types: list[int]) -> tuple[bytes, .
     for token, kind in zip(tokens, token_types, strict=True):
         if kind == TOKEN_TYPE_BYTE:
             table.append(bytes([int(token[3:5], 16)]))
-        elif kind in (TOKEN_TYPE_NORMAL, TOKEN_TYPE_UNUSED):
+        elif kind == TOKEN_TYPE_NORMAL:
             table.append(token.replace(_SPACE, " ").encode("utf-8"))
-        else:  # control, unknown and user-defined tokens are their own text
+        elif kind in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_UNKNOWN, TOKEN_TYPE_USER_DEFINED):  # their own text
             table.append(token.encode("utf-8"))
+        else:  # unused tokens, and types llama.cpp does not know, decode to nothing there
+            table.append(b"")
     return tuple(table)
