@@ -180,7 +180,7 @@ def test_cached_tokens_reported_for_a_shared_prefix(client: openai.OpenAI, worke
 
 def test_bad_parameters_are_400s_that_name_them(client: openai.OpenAI) -> None:
     cases = [
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"functions": [{"name": "f"}]}, "functions"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
          "response_format.json_schema.schema"),
         ({"temperature": 3.5}, "temperature"),

@@ -306,3 +306,100 @@ def test_a_vllm_worker_gets_vllms_own_parameters_and_an_openai_server_refuses(to
         body("vllm", Grammar(kind="regex", source="a+", num_prior_tokens=2))
     with pytest.raises(InvalidRequestError, match="cannot enforce"):
         body("openai", CITY_GRAMMAR)
+
+
+# ---- tools ----------------------------------------------------------------------------------------------------
+
+WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                  "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now",
+                                           "parameters": WEATHER_ARGS, "strict": True}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a city now",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 16}},
+                                               "required": ["city"], "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
+
+
+def _valid_call(name: str, arguments: str) -> None:
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+    jsonschema.validate(json.loads(arguments), schema)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tools_are_400s_naming_the_field(fields: dict[str, Any], param: str, tokenizer: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        prepare_chat(chat(**fields), tokenizer, 8192)
+    assert info.value.param == param
+
+
+def test_tools_on_a_text_completion_are_refused(tokenizer: Any) -> None:
+    from dynserve.gateway.preprocess import prepare_completion
+    from dynserve.gateway.schemas import CompletionRequest
+
+    request = CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", "tools": TOOLS})
+    with pytest.raises(InvalidRequestError, match="chat/completions only"):
+        prepare_completion(request, tokenizer, 8192)
+
+
+def test_calls_are_parsed_from_text_streamed_or_whole() -> None:
+    from dynserve.gateway.tools import ToolCallParser
+
+    text = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
+    parser = ToolCallParser()
+    streamed = "".join(parser.push(text[i:i + 5]) for i in range(0, len(text), 5)) + parser.finish()
+    assert streamed == "Let me check. "  # the call's text is never sent as content
+    [call] = parser.calls
+    assert call["function"] == {"name": "get_time", "arguments": '{"city": "Rome"}'}
+    plain = ToolCallParser()
+    assert plain.push("a < b <tool") + plain.finish() == "a < b <tool" and not plain.calls
+    broken = ToolCallParser()
+    assert broken.push("<tool_call>{not json</tool_call>") + broken.finish() == "<tool_call>{not json</tool_call>"
+
+
+def test_a_named_tool_is_called_with_arguments_that_match_its_schema(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=TOOLS, max_tokens=48, temperature=0,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls or []
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    _valid_call(call.function.name, call.function.arguments)
+
+
+def test_required_calls_stream_as_tool_call_deltas(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
+                                            max_tokens=80, temperature=1.0, seed=2, stream=True)
+    calls: dict[int, Any] = {}
+    reasons = []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        assert not delta.content  # a required call leaves no room for text
+        for call in delta.tool_calls or []:
+            calls[call.index] = call
+        reasons.append(chunk.choices[0].finish_reason)
+    assert reasons[-1] == "tool_calls" and calls
+    for call in calls.values():
+        _valid_call(call.function.name, call.function.arguments)
+
+
+def test_a_tool_result_renders_in_the_next_turn_and_none_calls_nothing(client: openai.OpenAI) -> None:
+    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",  # type: ignore[arg-type]
+                                            max_tokens=8, temperature=0)
+    choice = answer.choices[0]
+    assert choice.message.tool_calls is None and choice.message.content
+    assert choice.finish_reason in ("stop", "length")

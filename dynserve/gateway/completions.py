@@ -32,6 +32,7 @@ from dynserve.gateway.errors import ApiError, validation_error
 from dynserve.gateway.http import Exchange
 from dynserve.gateway.metrics import observe_many
 from dynserve.gateway.preprocess import Prepared, prepare_chat, prepare_completion
+from dynserve.gateway.tools import ToolCallParser
 from dynserve.gateway.responses import DONE, ChoiceState, ResponseBuilder, sse
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from dynserve.gateway.state import GatewayState
@@ -169,7 +170,11 @@ class _Run:
         limit_s = state.settings.max_generation_s
         if body.max_generation_s is not None:
             limit_s = min(limit_s, body.max_generation_s)
-        return cls(state, kind, requests, builder, limit_s)
+        run = cls(state, kind, requests, builder, limit_s)
+        if prepared.tools is not None:
+            for choice in run.choices:
+                choice.tool_calls = ToolCallParser()
+        return run
 
     def __init__(self, state: GatewayState, kind: Kind, requests: list[GenerateRequest],
                  builder: ResponseBuilder, limit_s: float) -> None:

@@ -2,9 +2,9 @@
 
 Pure functions of (request, tokenizer, model limits). Everything the user got wrong surfaces here as an
 `InvalidRequestError` naming the parameter, before any worker is involved:
-- a field OpenAI defines that dynserve does not implement (tools, ...);
+- a field OpenAI defines that dynserve does not implement (functions, audio, ...);
 - an output constraint (`response_format`, `structured_outputs`) that is malformed or does not compile
-  (`structured.py`);
+  (`structured.py`), and tools, a tool choice or a tool's schema likewise (`tools.py`);
 - a content part that is not text;
 - a prompt plus `max_tokens` longer than the context (`code="context_length_exceeded"`).
 
@@ -16,12 +16,14 @@ the context is full.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dynserve.errors import InvalidRequestError, TokenizerError
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from dynserve.gateway.structured import grammar_of
+from dynserve.gateway.tools import ToolPlan, call_grammar, render_messages, tool_plan_of
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
-from dynserve.protocol import SamplingParams
+from dynserve.protocol import Grammar, SamplingParams
 
 __all__ = ["COMPLETION_DEFAULT_MAX_TOKENS", "Prepared", "prepare_chat", "prepare_completion", "reject_unsupported"]
 
@@ -29,8 +31,8 @@ __all__ = ["COMPLETION_DEFAULT_MAX_TOKENS", "Prepared", "prepare_chat", "prepare
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 _UNSUPPORTED = (
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio",
-    "prediction", "reasoning_effort", "web_search_options", "verbosity",
+    "functions", "function_call", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+    "verbosity",
 )
 # SGLang extension fields and the one value of each that describes what dynserve does
 _SGLANG_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False,
@@ -39,10 +41,12 @@ _SGLANG_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """`prompts[p]` runs with `params[i]` for the choices `p * n + i`."""
+    """`prompts[p]` runs with `params[i]` for the choices `p * n + i`; `tools`: the chat's tool plan, whose
+    calls its answers are parsed for."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
+    tools: ToolPlan | None = None
 
     @property
     def n(self) -> int:
@@ -83,9 +87,13 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model
                     )
             content = [{"type": "text", "text": part.text} for part in content]
         role = "system" if message.role == "developer" else message.role
-        messages.append({"role": role, "content": content or ""})
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if message.tool_calls:
+            entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        messages.append(entry)
+    tools = tool_plan_of(request)
     try:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(render_messages(messages, tools))
     except TokenizerError as exc:
         raise InvalidRequestError(str(exc), param="messages") from exc
     prompt = tokenizer.encode(text)
@@ -94,8 +102,9 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = _sampling_params(request, len(prompt), max_model_len, max_tokens, logprobs, "messages",
-                              tokenizer.end_of_generation_ids - {tokenizer.eos_token_id})
-    return Prepared([prompt], params)
+                              tokenizer.end_of_generation_ids - {tokenizer.eos_token_id},
+                              call_grammar(tools) if tools is not None else None)
+    return Prepared([prompt], params, tools)
 
 
 def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> Prepared:
@@ -106,6 +115,9 @@ def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_mod
         raise InvalidRequestError("'suffix' is not supported by this server", param="suffix")
     if request.best_of is not None and request.best_of != request.n:
         raise InvalidRequestError("best_of other than n is not supported", param="best_of")
+    for name in ("tools", "tool_choice", "parallel_tool_calls"):
+        if getattr(request, name) is not None:
+            raise InvalidRequestError(f"'{name}' is served on /v1/chat/completions only", param=name)
     raw = request.prompt
     if not raw:
         raise InvalidRequestError("prompt is empty", param="prompt")
@@ -135,10 +147,11 @@ def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_mod
 
 def _sampling_params(
     request: _SamplingFields, prompt_len: int, max_model_len: int, max_tokens: int | None,
-    logprobs: int | None, prompt_param: str, end_ids: frozenset[int],
+    logprobs: int | None, prompt_param: str, end_ids: frozenset[int], tool_grammar: Grammar | None = None,
 ) -> list[SamplingParams]:
     """`end_ids`: the model's other ends of generation besides its EOS (Gemma's `<end_of_turn>`, ...); like
-    the EOS, the request stops at them unless it asks to ignore EOS."""
+    the EOS, the request stops at them unless it asks to ignore EOS. `tool_grammar`: the calls a required or
+    named `tool_choice` must make."""
     if prompt_len >= max_model_len:
         raise InvalidRequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, your {prompt_param} "
@@ -165,7 +178,7 @@ def _sampling_params(
         stop_token_ids=(*(request.stop_token_ids or ()), *(() if request.ignore_eos else sorted(end_ids))),
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
-        grammar=grammar_of(request),
+        grammar=_one_grammar(grammar_of(request), tool_grammar),
     )
     base.validate()
     if request.n == 1:
@@ -175,3 +188,10 @@ def _sampling_params(
     # each choice its own seed, so n seeded choices differ from each other and reproduce across calls
     return [base if request.seed is None else msgspec.structs.replace(base, seed=request.seed + i)
             for i in range(request.n)]
+
+
+def _one_grammar(output: Grammar | None, tool_calls: Grammar | None) -> Grammar | None:
+    if output is not None and tool_calls is not None:
+        raise InvalidRequestError("a required or named tool_choice cannot be combined with an output constraint",
+                                  param="tool_choice")
+    return output or tool_calls

@@ -5,7 +5,9 @@ knows which it is making. Chunks are encoded with msgspec straight to SSE bytes 
 stream ends with `data: [DONE]`, exactly as OpenAI streams; with `stream_options.include_usage` every
 chunk carries `"usage": null` and a last chunk with empty `choices` carries the usage. With
 `continuous_usage_stats` too (vLLM's extension), each chunk of text or of a finish carries the usage so far
-instead of null.
+instead of null. A chat with tools (`tools.py`) streams its text until a call could begin, and its calls as
+`delta.tool_calls` when the answer ends; a whole answer's calls are `message.tool_calls`; either way an answer
+that called a tool ends with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from dynserve.gateway.tools import ToolCallParser
 from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import TokenDelta, TokenLogprob
 
@@ -39,6 +42,7 @@ class ChoiceState:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     text_offset: int = 0
+    tool_calls: ToolCallParser | None = None  # a chat with tools: its answer is parsed for calls
 
     def absorb(self, delta: TokenDelta) -> None:
         self.texts.append(delta.text)
@@ -80,18 +84,27 @@ class ResponseBuilder:
         """The chunks for one (merged) delta: its text (and logprobs), then its finish reason if it ended;
         `usage` (the usage so far, with `continuous_usage`) goes in each."""
         out = []
-        if delta.text or delta.logprobs:
+        text, reason, calls = delta.text, delta.finish_reason, None
+        if state.tool_calls is not None:
+            text = state.tool_calls.push(text) + (state.tool_calls.finish() if delta.finished else "")
+            calls = state.tool_calls.calls
+            reason = "tool_calls" if calls and reason == "stop" else reason
+        if text or delta.logprobs:
             logprobs = self._logprobs(delta.logprobs or [], state) if delta.logprobs else None
             if self.kind == "chat":
-                choice = {"index": state.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                choice = {"index": state.index, "delta": {"content": text}, "logprobs": logprobs,
                           "finish_reason": None}
             else:
-                choice = {"index": state.index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
+                choice = {"index": state.index, "text": text, "logprobs": logprobs, "finish_reason": None}
             out.append(self._chunk([choice], usage))
         state.text_offset += len(delta.text)
+        if calls:
+            deltas = [{"index": i, **call} for i, call in enumerate(calls)]
+            out.append(self._chunk([{"index": state.index, "delta": {"tool_calls": deltas}, "logprobs": None,
+                                     "finish_reason": None}], usage))
         if delta.finished:
             if self.kind == "chat":
-                choice = {"index": state.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason}
+                choice = {"index": state.index, "delta": {}, "logprobs": None, "finish_reason": reason}
             else:
                 choice = {"index": state.index, "text": "", "logprobs": None, "finish_reason": delta.finish_reason}
             out.append(self._chunk([choice], usage))
@@ -109,8 +122,16 @@ class ResponseBuilder:
             text = "".join(state.texts)
             logprobs = self._logprobs(state.logprobs, ChoiceState(state.index)) if state.logprobs else None
             if self.kind == "chat":
-                choices.append({"index": state.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": state.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                reason = state.finish_reason
+                if state.tool_calls is not None:
+                    parser = ToolCallParser()
+                    content = parser.push(text) + parser.finish()
+                    if parser.calls:
+                        message = {"role": "assistant", "content": content or None, "tool_calls": parser.calls}
+                        reason = "tool_calls" if reason == "stop" else reason
+                choices.append({"index": state.index, "message": message, "logprobs": logprobs,
+                                "finish_reason": reason})
             else:
                 choices.append({"index": state.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": state.finish_reason})

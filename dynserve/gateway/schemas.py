@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
 
 __all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "CompletionRequest", "CompletionResponse",
-           "ErrorResponse", "StreamOptions", "TextPart"]
+           "ErrorResponse", "StreamOptions", "TextPart", "ToolCall"]
 
 MAX_N = 16
 
@@ -62,11 +62,26 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Strict):
+    """A call an assistant turn made (sent back in a conversation's history)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant turn's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
 
 class _SamplingFields(_Strict):
@@ -101,11 +116,13 @@ class _SamplingFields(_Strict):
     guided_regex: Any = Field(None, description="extension (vLLM, older name): structured_outputs.regex")
     guided_choice: Any = Field(None, description="extension (vLLM, older name): structured_outputs.choice")
     guided_grammar: Any = Field(None, description="extension (vLLM, older name): structured_outputs.grammar")
+    # tool calling (`tools.py` reads and checks them; Hermes-style calls)
+    tools: Any = Field(None, description="functions the model may call: {type: function, function: {name, "
+                       "description, parameters, strict}}")
+    tool_choice: Any = Field(None, description="none, auto, required, or {type: function, function: {name}}")
+    parallel_tool_calls: Any = Field(None, description="false: at most one call per answer")
     # defined by OpenAI, not implemented by dynserve: a non-default value is a 400 naming the field
     logit_bias: dict[str, float] | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -161,13 +178,15 @@ class Usage(BaseModel):
 class _AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class _ChatChoice(BaseModel):
     index: int
     message: _AssistantMessage
     logprobs: dict[str, Any] | None
-    finish_reason: str | None = Field(description="stop, length (max_tokens, the context or the generation cap)")
+    finish_reason: str | None = Field(description="stop, length (max_tokens, the context or the generation cap), "
+                                      "tool_calls")
 
 
 class ChatCompletionResponse(BaseModel):

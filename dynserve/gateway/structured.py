@@ -26,7 +26,7 @@ import llguidance
 from dynserve.errors import InvalidRequestError
 from dynserve.protocol import Grammar
 
-__all__ = ["grammar_of"]
+__all__ = ["check_json_schema", "checked_grammar", "grammar_of"]
 
 _VLLM_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -118,13 +118,15 @@ def _vllm_constraint(kind: str, value: Any, param: str) -> Grammar:
             raise InvalidRequestError(f"{param} must be a non-empty list of non-empty strings", param=param)
         # Lark string literals take JSON's escapes: each choice is matched exactly
         source = "start: " + " | ".join(json.dumps(choice) for choice in value)
-        return _checked(Grammar(kind="lark", source=source), param)
+        return checked_grammar(Grammar(kind="lark", source=source), param)
     if not isinstance(value, str) or not value:
         raise InvalidRequestError(f"{param} must be a non-empty string", param=param)
-    return _checked(Grammar(kind="regex" if kind == "regex" else "lark", source=value), param)
+    return checked_grammar(Grammar(kind="regex" if kind == "regex" else "lark", source=value), param)
 
 
-def _schema_grammar(schema: Any, param: str, *, lenient: bool) -> Grammar:
+def check_json_schema(schema: Any, param: str) -> None:
+    """InvalidRequestError naming `param` unless `schema` is an object valid against its metaschema (the
+    draft its `$schema` names, 2020-12 by default)."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON Schema object", param=param)
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -134,11 +136,15 @@ def _schema_grammar(schema: Any, param: str, *, lenient: bool) -> Grammar:
         where = exc.json_path if exc.path else "its root"
         raise InvalidRequestError(f"{param} is not a valid JSON Schema: at {where}: {exc.message}",
                                   param=param) from exc
-    return _checked(Grammar(kind="json_schema", source=json.dumps(schema, separators=(",", ":")), lenient=lenient),
+
+
+def _schema_grammar(schema: Any, param: str, *, lenient: bool) -> Grammar:
+    check_json_schema(schema, param)
+    return checked_grammar(Grammar(kind="json_schema", source=json.dumps(schema, separators=(",", ":")), lenient=lenient),
                     param)
 
 
-def _checked(grammar: Grammar, param: str) -> Grammar:
+def checked_grammar(grammar: Grammar, param: str) -> Grammar:
     """`grammar`, once it is known to compile (InvalidRequestError naming `param` and the problem if not)."""
     if len(grammar.source) > MAX_SOURCE_CHARS:
         raise InvalidRequestError(f"{param} is longer than {MAX_SOURCE_CHARS} characters", param=param)
