@@ -41,7 +41,7 @@ __all__ = ["ARCHS", "CONVERTER_VERSION", "FORMATS", "converter_dir", "tiny_confi
 CONVERTER_VERSION = "0.3.36"  # llama-cpp-python's sdist that scripts/llama-convert.sh unpacks
 FORMATS = ("hf", "gguf", "gguf-bf16")
 Tokenizer = Literal["smollm", "qwen2", "spm"]
-_RECIPE = 1  # bump when the weights' or tokenizers' recipe changes: old cache entries are then ignored
+_RECIPE = 2  # bump when the weights' or tokenizers' recipe changes: old cache entries are then ignored
 _SPM_VOCAB_SIZE = 384
 # byte-level BPE vocabularies: the GGUF file they are read from, the model's vocab_size, and bos, eos, pad ids
 _BPE = {
@@ -289,8 +289,10 @@ def _bpe_source(name: str) -> Path:
 
 
 def _write_spm_tokenizer(path: Path, family: str) -> None:
-    """A SentencePiece BPE model with byte fallback, trained here on a fixed text, as `tokenizer.model`."""
+    """A SentencePiece BPE model with byte fallback, trained here on a fixed text, as `tokenizer.model`, and
+    transformers' conversion of it as `tokenizer.json` (real Gemma and Phi-3 directories ship both)."""
     import sentencepiece
+    import transformers
 
     ids = _SPM_SPECIALS[family]
     model = io.BytesIO()
@@ -311,6 +313,9 @@ def _write_spm_tokenizer(path: Path, family: str) -> None:
         "pad_token": "<pad>", "add_eos_token": False, "model_max_length": 8192,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with tempfile.TemporaryDirectory() as converted:  # only its tokenizer.json: our tokenizer_config.json stays
+        transformers.AutoTokenizer.from_pretrained(str(path)).save_pretrained(converted)
+        shutil.copy(Path(converted) / "tokenizer.json", path / "tokenizer.json")
 
 
 # ---- the GGUF file -----------------------------------------------------------------------------------
