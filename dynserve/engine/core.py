@@ -145,7 +145,8 @@ class EngineCore(abc.ABC):
         self.stalled = False
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
-        self._eos_ids = frozenset(i for i in (tokenizer.eos_token_id, eos_token_id) if i is not None)
+        self._eos_ids = tokenizer.end_of_generation_ids | frozenset(
+            i for i in (tokenizer.eos_token_id, eos_token_id) if i is not None)
         # disaggregated serving: who this engine is to a decode worker (set by its worker), prefills held
         # under lease (request id -> (sequence, lease end), in lease order), requests receiving their KV
         self.kv_source_id = ""
