@@ -187,6 +187,7 @@ def _cached_hf_dir(arch: str, config: dict[str, Any], kind: Tokenizer, seed: int
     if (path / "complete").exists():
         return path
     root.mkdir(parents=True, exist_ok=True)
+    _prune_stale(root, json.loads(key))
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=root))
     try:
         _write_hf_dir(staging, arch, config, kind, seed)
@@ -197,6 +198,19 @@ def _cached_hf_dir(arch: str, config: dict[str, Any], kind: Tokenizer, seed: int
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return path
+
+
+def _prune_stale(root: Path, key: dict[str, Any]) -> None:
+    """Remove the models made by another recipe, transformers or converter version: no key names them again."""
+    versions = {name: key[name] for name in ("recipe", "transformers", "converter")}
+    for entry in root.glob("*/key.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            old = json.loads(entry.read_text())
+            if {name: old[name] for name in versions} != versions:
+                shutil.rmtree(entry.parent, ignore_errors=True)
+    for tokenizer_dir in root.glob(".*-tokenizer-*"):
+        if not tokenizer_dir.name.endswith(f"-tokenizer-{_RECIPE}"):
+            shutil.rmtree(tokenizer_dir, ignore_errors=True)
 
 
 def _write_hf_dir(path: Path, arch: str, config: dict[str, Any], kind: Tokenizer, seed: int) -> None:
