@@ -3,21 +3,25 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # What `make test-fast` leaves out: every test that needs one of these (markers come from the fixtures a
 # test reaches: tests/conftest.py; docs/testing.md lists them).
-HEAVY := model or ray or fleet or services or netns or install or fuzz or peers
+HEAVY := model or ray or fleet or services or netns or install or fuzz or peers or models
 
-.PHONY: setup test test-fast test-peers test-gpu serve bench clean
+.PHONY: setup test test-fast test-peers test-models test-gpu serve bench clean
 
 setup:
 	@bash scripts/setup.sh
 
 # the whole suite, on two workers: the slowest files first (tests/conftest.py), each file on one worker
 test: setup
-	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not peers"
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not peers and not models"
 
 # the tests against peer systems in their own venvs (vLLM's CPU build: a few minutes to set up the first time)
 test-peers: setup
 	bash scripts/setup-peers.sh vllm
 	$(PY) -m pytest -m peers -s
+
+# the real models other than the default (Gemma 3 270M GGUF): parity with transformers, dynctl serve
+test-models: setup
+	$(PY) -m pytest -m models -rP
 
 # the built-in engine on a CUDA device, its kernels compiled (they skip without one; scripts/gpu-run.sh runs
 # them with the benchmark on a machine without this venv)

@@ -63,6 +63,7 @@ MARKERS = {
     "install": "pip-installs the package into a fresh virtualenv",
     "fuzz": "runs a fuzzer's budget of generated requests",
     "peers": "runs a peer system from its own venv (vLLM's CPU build): make test-peers, not make test",
+    "models": "serves real models other than the default (Gemma 3 270M): make test-models, not make test",
     "gpu": "needs a CUDA device (make test-gpu, scripts/gpu-run.sh); skips without one",
 }
 F = TypeVar("F", bound=Callable[..., Any])

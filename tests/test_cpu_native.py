@@ -19,8 +19,9 @@ def kernel():  # type: ignore[no-untyped-def]
     return module
 
 
-@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 64, 16), (8, 2, 128, 16), (6, 3, 128, 8), (4, 4, 32, 8), (8, 1, 16, 4)])
-def test_decode_kernel_matches_torch_path(kernel, monkeypatch, num_heads, num_kv_heads, head_dim, block_size) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("window", [0, 20])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim", "block_size"), [(9, 3, 64, 16), (8, 2, 64, 16), (8, 2, 128, 16), (6, 3, 128, 8), (4, 4, 32, 8), (8, 1, 16, 4), (4, 1, 256, 16)])
+def test_decode_kernel_matches_torch_path(kernel, monkeypatch, num_heads, num_kv_heads, head_dim, block_size, window) -> None:  # type: ignore[no-untyped-def]
     g = torch.Generator().manual_seed(0)
     num_blocks, num_layers = 160, 3
     cache = torch.randn(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, generator=g)
@@ -38,10 +39,10 @@ def test_decode_kernel_matches_torch_path(kernel, monkeypatch, num_heads, num_kv
 
     monkeypatch.setattr("dynserve.engine.kernels.torch_attention.USE_NATIVE_DECODE", False)
     ref_cache = cache.clone()
-    expected = torch_attention.forward(query, key, value, ref_cache, 1, meta, head_dim**-0.5)
+    expected = torch_attention.forward(query, key, value, ref_cache, 1, meta, head_dim**-0.5, window)
     monkeypatch.setattr("dynserve.engine.kernels.torch_attention.USE_NATIVE_DECODE", True)
     meta.backend_plan = None
-    actual = torch_attention.forward(query, key, value, cache, 1, meta, head_dim**-0.5)
+    actual = torch_attention.forward(query, key, value, cache, 1, meta, head_dim**-0.5, window)
     assert torch.equal(cache, ref_cache)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 

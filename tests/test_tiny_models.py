@@ -14,6 +14,10 @@ import pytest
 
 from _tiny_models import ARCHS, tiny_config, tiny_model
 
+# transformers reloading every GGUF (Qwen2's vocabulary alone takes half a minute) checks the factory, not
+# dynserve: tests/test_architectures.py runs dynserve on every one in `make test`; this runs in make test-models
+pytestmark = pytest.mark.models
+
 # what a GGUF of these loses on the way back into transformers 5.23: the converter writes no key for it
 # (mistral's sliding window, dynamic rope scaling) or transformers' GGUF reader ignores the key it wrote
 GGUF_RELOAD_LOSES = {

@@ -230,10 +230,14 @@ void dispatch(const Layout& lay, const T* cache, const int32_t* tables, const in
     run<64, 4>(lay, cache, tables, lens, q, o, num_seqs, s);
   } else if (lay.head_dim == 128 && lay.group == 4) {
     run<128, 4>(lay, cache, tables, lens, q, o, num_seqs, s);  // Llama 3 8B
+  } else if (lay.head_dim == 256 && lay.group == 4) {
+    run<256, 4>(lay, cache, tables, lens, q, o, num_seqs, s);  // Gemma 3 270M and 1B (4 heads, 1 KV head)
   } else if (lay.head_dim == 64) {
     run<64, 0>(lay, cache, tables, lens, q, o, num_seqs, s);
   } else if (lay.head_dim == 128) {
     run<128, 0>(lay, cache, tables, lens, q, o, num_seqs, s);
+  } else if (lay.head_dim == 256) {
+    run<256, 0>(lay, cache, tables, lens, q, o, num_seqs, s);
   } else {
     run<0, 0>(lay, cache, tables, lens, q, o, num_seqs, s);
   }
