@@ -169,6 +169,16 @@ def test_fused_ops_match_eager_torch(native_ops, num_rows) -> None:  # type: ign
         torch.testing.assert_close(a, e, atol=5e-2, rtol=2e-2)
     assert torch.equal(actual[2], qkv[:, 15 * 64 - 3 * 64 :].view(num_rows, 3, 64))  # values untouched
 
+    torch.testing.assert_close(native_ops.gelu_tanh_mul(gate_up), ref.gelu_tanh_mul(gate_up), **bf16)
+    # Qwen2's projection bias, Qwen3's and Gemma 3's q/k norm, a YaRN-style attention factor: one pass
+    bias = (0.5 * torch.randn(15 * 64, generator=g)).bfloat16()
+    q_norm, k_norm = ((1 + 0.2 * torch.randn(64, generator=g)).bfloat16() for _ in range(2))
+    extras = (bias, q_norm, k_norm, 1e-6)
+    expected = ref.rope_qkv(qkv.clone(), ref.rope_tables(positions, inv_freq, 1.2), 9, 3, 64, *extras)
+    actual = native_ops.rope_qkv(qkv.clone(), native_ops.rope_tables(positions, inv_freq, 1.2), 9, 3, 64, *extras)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, atol=8e-2, rtol=3e-2)
+
 
 def test_select_ops_takes_the_kernels_for_bf16_on_cpu_only(kernel, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     cpu = torch.device("cpu")

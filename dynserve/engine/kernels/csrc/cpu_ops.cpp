@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -242,12 +243,16 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   return out;
 }
 
-// silu(gate) * up for bf16 gate_up [M, 2I] (gate first): [M, I].
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_bf16_rows(gate_up, "silu_mul");
+namespace {
+
+// act(gate) * up for bf16 gate_up [M, 2I] (gate first): [M, I]. As torch, the activation is rounded to bf16
+// before the product.
+template <typename Act>
+torch::Tensor gated_mul(torch::Tensor gate_up, const char* name, Act act) {
+  check_bf16_rows(gate_up, name);
   gate_up = gate_up.contiguous();
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) == 2 * I, "silu_mul: odd width");
+  TORCH_CHECK(gate_up.size(1) == 2 * I, name, ": odd width");
   auto out = torch::empty({M, I}, gate_up.options());
   const auto* gp = gate_up.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
@@ -257,42 +262,25 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
       const at::BFloat16* u = g + I;
       at::BFloat16* o = op + m * I;
 #pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        // torch rounds silu(gate) to bf16 before the product; so does this
-        const float gi = to_f32(g[i]);
-        const float s = to_f32(to_bf16(gi / (1.f + std::exp(-gi))));
-        o[i] = to_bf16(s * to_f32(u[i]));
-      }
+      for (int64_t i = 0; i < I; ++i) o[i] = to_bf16(to_f32(to_bf16(act(to_f32(g[i])))) * to_f32(u[i]));
     }
   });
   return out;
 }
 
-// gelu_tanh(gate) * up for bf16 gate_up [M, 2I] (gate first): [M, I] (Gemma's MLP activation).
+}  // namespace
+
+// silu(gate) * up for bf16 gate_up [M, 2I] (gate first): [M, I].
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  return gated_mul(std::move(gate_up), "silu_mul", [](float x) { return x / (1.f + std::exp(-x)); });
+}
+
+// gelu_tanh(gate) * up, the same shapes (Gemma's MLP).
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
-  check_bf16_rows(gate_up, "gelu_tanh_mul");
-  gate_up = gate_up.contiguous();
-  const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) == 2 * I, "gelu_tanh_mul: odd width");
-  auto out = torch::empty({M, I}, gate_up.options());
-  const auto* gp = gate_up.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
   constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m) {
-      const at::BFloat16* g = gp + m * 2 * I;
-      const at::BFloat16* u = g + I;
-      at::BFloat16* o = op + m * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) {
-        // as torch: the activation rounded to bf16 before the product
-        const float x = to_f32(g[i]);
-        const float a = to_f32(to_bf16(0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)))));
-        o[i] = to_bf16(a * to_f32(u[i]));
-      }
-    }
+  return gated_mul(std::move(gate_up), "gelu_tanh_mul", [](float x) {
+    return 0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)));
   });
-  return out;
 }
 
 // Rotate-half rotary embedding, in place, on the query and key heads of bf16 qkv [M, (Hq + 2 Hkv) * D]
