@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any, Literal
 
 import httpx
@@ -19,7 +18,6 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from conftest import needs
 
 from dynserve.errors import InvalidRequestError
 from dynserve.gateway.preprocess import prepare_chat
@@ -263,14 +261,19 @@ COLOURS = {"type": "object", "properties": {"colours": {"type": "array", "items"
 
 
 @pytest.fixture(scope="module")
-@needs("fleet")
-def mocker_pair(make_mocker: Any) -> Iterator[list[tuple[Any, Any]]]:
-    yield [make_mocker(f"so-{i}", mocker_speedup=2, kv_blocks=64) for i in range(2)]
+def mocker_fleets(make_mocker: Any) -> dict[str, list[tuple[Any, Any]]]:
+    """Two small mocker fleets in one namespace: `migration` (two workers) and `disagg` (a prefill and a
+    decode worker); (handle, info) each."""
+    fleet = {"mocker_speedup": 2.0, "kv_blocks": 64, "namespace": "so-fleet"}
+    return {"migration": [make_mocker(f"so-{i}", **fleet) for i in range(2)],
+            "disagg": [make_mocker(f"so-{role}", role, **{**fleet, "mocker_speedup": 50.0})
+                       for role in ("prefill", "decode")]}
 
 
-def test_a_worker_killed_mid_answer_still_gives_one_valid_document(mocker_pair: Any, make_gateway: Any,
+def test_a_worker_killed_mid_answer_still_gives_one_valid_document(mocker_fleets: Any, make_gateway: Any,
                                                                    ray_instance: Any) -> None:
-    server = make_gateway(infos=[info for _handle, info in mocker_pair])
+    mocker_pair = mocker_fleets["migration"]
+    server = make_gateway(infos=[info for _handle, info in mocker_pair], namespace="so-fleet")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=200, stream=True,
                                             response_format=_json_schema(COLOURS, strict=True))  # type: ignore[arg-type]
@@ -306,6 +309,23 @@ def test_a_vllm_worker_gets_vllms_own_parameters_and_an_openai_server_refuses(to
         body("vllm", Grammar(kind="regex", source="a+", num_prior_tokens=2))
     with pytest.raises(InvalidRequestError, match="cannot enforce"):
         body("openai", CITY_GRAMMAR)
+
+
+def test_a_disaggregated_answer_keeps_its_grammar_from_the_prefill_workers_first_token(
+        mocker_fleets: Any, make_gateway: Any) -> None:
+    infos = [info for _handle, info in mocker_fleets["disagg"]]
+    server = make_gateway(infos=infos, namespace="so-fleet", disagg_local_prefill_tokens=0)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    for stream in (False, True):
+        answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=200, stream=stream,
+                                                response_format=_json_schema(COLOURS, strict=True))  # type: ignore[arg-type]
+        if stream:
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in answer)  # type: ignore[union-attr]
+        else:
+            text = answer.choices[0].message.content or ""  # type: ignore[union-attr]
+        jsonschema.validate(json.loads(text), COLOURS)
+    metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert re.search(r'^dynserve_disagg_requests_total\{path="remote"\} 2\.0$', metrics, re.MULTILINE)
 
 
 # ---- tools ----------------------------------------------------------------------------------------------------
