@@ -110,7 +110,7 @@ def _needs_of(item: pytest.Item) -> set[str]:
 # The test files that cost most, slowest first (docs/testing.md): run first, so that with several workers
 # (`-n`) the long ones start at once and the short ones fill in at the end.
 SLOWEST_FIRST = [
-    "test_multihost.py", "test_hf_parity.py", "test_operator_pods.py", "test_planner_live.py", "test_disagg.py",
+    "test_multihost.py", "test_hf_parity.py", "test_architectures.py", "test_operator_pods.py", "test_planner_live.py", "test_disagg.py",
     "test_mocker.py", "test_packaging.py", "test_routing.py", "test_observability.py", "test_vllm_worker.py",
     "test_migration.py", "test_engine.py", "test_pool.py", "test_gateway.py", "test_fuzz.py",
     "test_cli_serve.py", "test_http_limits.py", "test_checkov.py", "test_deploy_cli.py", "test_admission.py",
