@@ -22,6 +22,7 @@ from dynserve.gateway.disagg import DisaggregatedBackend
 from dynserve.gateway.dispatcher import Dispatcher
 from dynserve.protocol import (
     GenerateRequest,
+    Grammar,
     KVHandle,
     KVSnapshot,
     SamplingParams,
@@ -267,6 +268,30 @@ def test_a_worker_lost_mid_stream_migrates_and_the_client_sees_no_gap_and_no_rep
     # usage over both workers, as the client's request sees it
     assert (deltas[-1].num_prompt_tokens, deltas[-1].num_output_tokens) == (5, 10)
     assert recorder.events == [("migration", "worker_failed" if cut == "fail" else "worker_aborted")]
+
+
+def test_a_migrated_grammar_continues_from_every_token_sent_over_each_migration() -> None:
+    a, b, c = ScriptedChannel("a"), ScriptedChannel("b"), ScriptedChannel("c")
+    a.fail_after, b.fail_after = 4, 3
+    backend, _recorder = dispatcher([a, b, c])
+    prompt = [5, 6, 7, 8, 9]
+    grammar = Grammar(kind="regex", source="[a-z]+")
+    constrained = msgspec.structs.replace(request(prompt, 10), params=SamplingParams(max_tokens=10, temperature=0,
+                                                                                     grammar=grammar))
+
+    async def go() -> list[TokenDelta]:
+        await backend.start()
+        try:
+            return await collect(backend.generate(constrained))
+        finally:
+            await backend.stop()
+
+    assert tokens_of(run(go())) == greedy(prompt, 10)
+    # each continuation's prompt ends with every token sent so far, and its grammar is told so
+    first, second = (channel.requests[0] for channel in (b, c))
+    assert first.params.grammar == msgspec.structs.replace(grammar, num_prior_tokens=4)
+    assert second.params.grammar == msgspec.structs.replace(grammar, num_prior_tokens=7)
+    assert second.token_ids == prompt + greedy(prompt, 7)
 
 
 def test_migration_stops_at_its_limit_and_with_none_the_failure_reaches_the_caller() -> None:
