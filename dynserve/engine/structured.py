@@ -83,7 +83,9 @@ class _Compiled:
     """One tokenizer's llguidance view and its recently compiled grammars (fresh matchers, copied per use)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.ll_tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer)))
+        # every token that ends a generation (Gemma's <end_of_turn>, ...) may end a complete grammar's answer
+        ends = sorted(tokenizer.end_of_generation_ids) or None
+        self.ll_tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Vocabulary(tokenizer)), eos_token=ends)
         self.templates: collections.OrderedDict[tuple[str, str, bool], llguidance.LLMatcher] = (
             collections.OrderedDict())
 
