@@ -77,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="Hugging Face directory both serve [default: build/hf-<dtype>/"
                              "SmolLM2-135M-Instruct, converted from the bundled GGUF when missing]")
+    parser.add_argument("--model", type=Path, default=None, metavar="GGUF",
+                        help="a GGUF file instead (e.g. the Gemma 3 270M one: benchmarks/_models.py): dynserve "
+                             "serves the file, vLLM the same weights dequantized by transformers into "
+                             "build/hf-from-gguf/<id>/ (vLLM's CPU build runs no GGUF kernels)")
     parser.add_argument("--vllm-python", type=Path, default=None,
                         help="Python of vLLM's venv [default: .venv-vllm's, set up when missing]")
     parser.add_argument("--vllm-kv-gib", type=int, default=1,
@@ -111,6 +115,28 @@ def ensure_model_dir(model_dir: Path | None, dtype: str) -> Path:
     return model_dir
 
 
+def ensure_hf_from_gguf(gguf: Path) -> Path:
+    """`gguf`'s weights (dequantized, fp32) and tokenizer as a Hugging Face directory, made once by
+    transformers under build/hf-from-gguf/<id>/."""
+    from dynserve.model.resolve import model_id_of
+
+    model_dir = REPO_ROOT / "build" / "hf-from-gguf" / model_id_of(gguf)
+    if (model_dir / "model.safetensors").exists() or any(model_dir.glob("model-*.safetensors")):
+        return model_dir
+    log(f"dequantizing {gguf.name} into {model_dir} with transformers (once)")
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    partial = model_dir.with_name(model_dir.name + ".partial")
+    model.save_pretrained(str(partial))
+    tokenizer.save_pretrained(str(partial))
+    partial.rename(model_dir)
+    return model_dir
+
+
 def weight_bytes(model_dir: Path, dtype: str) -> int:
     """Bytes of every weight in `dtype` (the tied LM head once: a decode step reads the matrix once)."""
     from safetensors import safe_open
@@ -138,7 +164,6 @@ def measure_bandwidth(num_threads: int = 2, size_bytes: int = 1 << 30, repeats: 
         dst.copy_(src)
         read_s = best_time_s(lambda: src.sum(), repeats)
         copy_s = best_time_s(lambda: dst.copy_(src), repeats)
-        del src, dst
     finally:
         torch.set_num_threads(previous)
     return {"read_gbs": size_bytes / read_s / 1e9, "copy_gbs": 2 * size_bytes / copy_s / 1e9,
@@ -159,10 +184,10 @@ class Prompts:
     """Distinct prompts of exact token counts: random words (a fresh first word each), encoded by the served
     directory's tokenizer and cut to length, so both servers receive the very same token ids."""
 
-    def __init__(self, model_dir: Path, seed: int) -> None:
+    def __init__(self, model: Path, seed: int) -> None:
         from dynserve.model.tokenizer import Tokenizer
 
-        self._tokenizer = Tokenizer.from_pretrained_dir(model_dir)
+        self._tokenizer = Tokenizer.load(model)  # a directory's tokenizer.json or a GGUF's vocabulary
         self._rng = random.Random(seed)
         self._count = 0
 
@@ -251,25 +276,34 @@ def _rss_mb(pid: int) -> float:
 # ---- the servers ----------------------------------------------------------------------------------------
 
 
+def _served_model(args: argparse.Namespace, model_dir: Path) -> tuple[Path, str]:
+    """What dynserve serves (the GGUF when one was given, else the directory) and the name both serve it as."""
+    from dynserve.model.resolve import model_id_of
+
+    return (args.model, model_id_of(args.model)) if args.model is not None else (model_dir, model_dir.name)
+
+
 def _serve(name: str, args: argparse.Namespace, model_dir: Path,
            log_dir: Path) -> AbstractContextManager[Any]:
+    ours, served_name = _served_model(args, model_dir)
     if name == "ours":
-        return dynctl_serve("dynserve", ["--model", str(model_dir), "--dtype", args.dtype], log_dir=log_dir)
+        return dynctl_serve("dynserve", ["--model", str(ours), "--dtype", args.dtype], log_dir=log_dir)
     env = {"VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}
     if args.vllm_omp_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_omp_bind
-    return vllm_serve(ensure_vllm(args.vllm_python), model_dir, model_dir.name,
+    return vllm_serve(ensure_vllm(args.vllm_python), model_dir, served_name,
                       ["--dtype", args.dtype, "--seed", str(args.seed)], log_dir=log_dir, env=env)
 
 
 def run_server(name: str, args: argparse.Namespace, model_dir: Path, log_dir: Path) -> dict[str, Any]:
     log(f"{name}: starting")
     started_s = time.monotonic()
+    ours, served_name = _served_model(args, model_dir)
     with _serve(name, args, model_dir, log_dir) as server:
         ready_s = time.monotonic() - started_s
         log(f"{name}: ready in {ready_s:.1f} s on port {server.port}")
-        prompts = Prompts(model_dir, args.seed)  # the same prompts, in the same order, for both servers
-        figures = measure_server(server.port, model_dir.name, prompts, num_rounds=1 if args.quick else 3,
+        prompts = Prompts(ours, args.seed)  # the same prompts, in the same order, for both servers
+        figures = measure_server(server.port, served_name, prompts, num_rounds=1 if args.quick else 3,
                                  num_c1=2 if args.quick else 3)
         figures.update(ready_s=ready_s, rss_mb=_rss_mb(server.process.pid), log_tail=server.log_tail(1500))
         if name == "vllm":  # where its model's threads ran: vLLM binds them itself
@@ -320,7 +354,8 @@ def summarize(servers: dict[str, dict[str, Any]], bandwidths: list[dict[str, flo
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     start_s = time.monotonic()
-    model_dir = ensure_model_dir(args.model_dir, args.dtype)
+    model_dir = ensure_hf_from_gguf(args.model) if args.model is not None else ensure_model_dir(args.model_dir,
+                                                                                                args.dtype)
     if "vllm" in args.servers:
         ensure_vllm(args.vllm_python)
     log(f"measuring memory bandwidth; serving {model_dir} in {args.dtype}")
@@ -334,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "vs_vllm", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
         "machine": machine_info(), "dtype": args.dtype, "model_dir": str(model_dir),
+        "model_gguf": str(args.model) if args.model is not None else None,
         "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "prefill_tokens": PREFILL_TOKENS,
         "concurrency": CONCURRENCY, "vllm_kv_cache_gib": args.vllm_kv_gib,
         "vllm_omp_bind": args.vllm_omp_bind, "bandwidth_runs": bandwidths,
