@@ -116,23 +116,33 @@ def ensure_model_dir(model_dir: Path | None, dtype: str) -> Path:
 
 
 def ensure_hf_from_gguf(gguf: Path) -> Path:
-    """`gguf`'s weights (dequantized, fp32) and tokenizer as a Hugging Face directory, made once by
-    transformers under build/hf-from-gguf/<id>/."""
-    from dynserve.model.resolve import model_id_of
+    """`gguf`'s weights (dequantized by dynserve's loader, fp32, in Hugging Face's naming and convention),
+    with transformers' config and tokenizer of the file, as a Hugging Face directory made once under
+    build/hf-from-gguf/<id>/ (transformers keeps a GGUF's weights quantized and will not save them)."""
+    from dynserve.model.resolve import HF_ARCHITECTURES, model_id_of
 
     model_dir = REPO_ROOT / "build" / "hf-from-gguf" / model_id_of(gguf)
-    if (model_dir / "model.safetensors").exists() or any(model_dir.glob("model-*.safetensors")):
+    if (model_dir / "model.safetensors").exists():
         return model_dir
-    log(f"dequantizing {gguf.name} into {model_dir} with transformers (once)")
+    log(f"dequantizing {gguf.name} into {model_dir} (once)")
     import torch
     import transformers
+    from safetensors.torch import save_file
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                              dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    from dynserve.engine.loader import load_model_weights
+
+    config, state = load_model_weights(gguf, torch.float32)
+    if config.architecture == "gemma3":  # the loader keeps Gemma's norms as 1 + w; checkpoints store w
+        state = {n: t - 1.0 if n.endswith("norm.weight") else t for n, t in state.items()}
     partial = model_dir.with_name(model_dir.name + ".partial")
-    model.save_pretrained(str(partial))
-    tokenizer.save_pretrained(str(partial))
+    partial.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(partial / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf_config = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # a config read from a GGUF names no class, and vLLM would guess an embedding model from its type
+    hf_config.architectures = [next(k for k, v in HF_ARCHITECTURES.items() if v == config.architecture)]
+    hf_config.save_pretrained(str(partial))
+    transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(partial))
     partial.rename(model_dir)
     return model_dir
 
