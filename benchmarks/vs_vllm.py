@@ -361,6 +361,16 @@ def summarize(servers: dict[str, dict[str, Any]], bandwidths: list[dict[str, flo
     return result
 
 
+def _step_ops_name(dtype: str) -> str:
+    """The step ops dynserve's engine selects for `dtype` on this machine's CPU (`native-bf16`: the C++ path)."""
+    import torch
+
+    from dynserve.engine.kernels.cpu_ops import select_ops
+    from dynserve.engine.llm_engine import torch_dtype
+
+    return select_ops(torch_dtype(dtype), torch.device("cpu")).name
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     start_s = time.monotonic()
@@ -380,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "vs_vllm", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
         "machine": machine_info(), "dtype": args.dtype, "model_dir": str(model_dir),
         "model_gguf": str(args.model) if args.model is not None else None,
+        "ours_step_ops": _step_ops_name(args.dtype),
         "prompt_tokens": PROMPT_TOKENS, "output_tokens": OUTPUT_TOKENS, "prefill_tokens": PREFILL_TOKENS,
         "concurrency": CONCURRENCY, "vllm_kv_cache_gib": args.vllm_kv_gib,
         "vllm_omp_bind": args.vllm_omp_bind, "bandwidth_runs": bandwidths,
