@@ -58,6 +58,7 @@ WORKER_COUNTERS = {
     "dynserve_worker_kv_evictions_total", "dynserve_worker_preemptions_total", "dynserve_worker_generated_tokens_total",
     "dynserve_worker_kv_transfer_bytes_total", "dynserve_worker_kv_transfer_seconds_total",
     "dynserve_worker_kv_transfer_reads_total", "dynserve_worker_kv_transfer_failures_total",
+    "dynserve_worker_engine_op_fallbacks_total",
 }
 WORKER_GAUGES = {
     "dynserve_worker_waiting_requests", "dynserve_worker_running_requests", "dynserve_worker_kv_blocks_used",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -200,6 +201,13 @@ class WorkerMetrics:
         for reason, count in transfer[3].items():
             failures.add_metric([*labels, reason], count)
         yield failures
+        fallbacks = CounterMetricFamily("dynserve_worker_engine_op_fallbacks", "Calls of an engine op that ran in "
+                                        "eager torch because the step ops in use have no kernel for it yet (e.g. "
+                                        "the Triton ops' q/k norm), by ops and op", labels=[*names, "ops", "op"])
+        eager = sys.modules.get("dynserve.engine.kernels.eager")  # never imported: nothing ran, and no torch
+        for (ops, op), count in (eager.fallback_counts().items() if eager is not None else ()):
+            fallbacks.add_metric([*labels, ops, op], count)
+        yield fallbacks
 
 
 class _Collector:
