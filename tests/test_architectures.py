@@ -69,23 +69,46 @@ def _reference(arch: str, ids: list[int]) -> torch.Tensor:
         return _hf_model(arch)(torch.tensor([ids])).logits[0].float()
 
 
+def _assert_greedy_matches(engine: Any, arch: str, prompt: list[int], num_tokens: int) -> None:
+    """Our greedy tokens are transformers' (its `generate`, which recomputes length-dependent rope per step as
+    we do); only a near tie may go either way, and then the texts part."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    ours = engine.generate([prompt], params)[0].token_ids
+    with torch.no_grad():
+        out = _hf_model(arch).generate(
+            torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, output_scores=True,
+            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
+        )
+    theirs = out.sequences[0, len(prompt):].tolist()
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        if a != b:
+            scores = out.scores[step][0]
+            assert (scores[b] - scores[a]).abs().item() < 1e-4, f"{arch}: step {step}: {ours} vs {theirs}"
+            break
+
+
+def _gguf_prompt(arch: str, fmt: str, config: Any, prompt: list[int]) -> list[int]:
+    """llama.cpp's converter (0.3.36) writes neither Mistral's sliding window nor dynamic NTK: such a GGUF is a
+    plain Llama, served as llama.cpp serves it; within the window and the trained length the two agree."""
+    if fmt.startswith("gguf") and arch in ("mistral", "llama-dynamic"):
+        assert config.layer_windows == () and config.rope_scaling is None
+        return prompt[:32]
+    return prompt
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_logits_match_transformers_fp32(arch: str, fmt: str, tokenizer) -> None:  # type: ignore[no-untyped-def]
     path = tiny_model(arch, fmt)
     engine = _engine(path, tokenizer)
     config = engine.model.config
-    prompt = _prompt(config.vocab_size)
-    if fmt == "gguf" and arch in ("mistral", "llama-dynamic"):
-        # llama.cpp's converter (0.3.36) writes neither Mistral's sliding window nor dynamic NTK: such a GGUF
-        # is a plain Llama, served as llama.cpp serves it; within the window and the trained length they agree
-        assert config.layer_windows == () and config.rope_scaling is None
-        prompt = prompt[:32]
+    prompt = _gguf_prompt(arch, fmt, config, _prompt(config.vocab_size))
     ref = _reference(arch, prompt)
     err = (engine.compute_logits([prompt])[0] - ref[-1]).abs().max().item()
     assert err < LOGIT_ATOL, f"{arch} ({fmt}): max |logit error| {err}"
     if len(prompt) < PROMPT_LEN:
         return
+    _assert_greedy_matches(engine, arch, prompt, 8)
     engine.generate([prompt[:48]], SamplingParams(max_tokens=1, temperature=0.0))
     if config.rope_depends_on_length:  # a block's KV depends on the length it was computed for: not cached
         assert engine.block_manager.num_cached_blocks == 0
@@ -100,35 +123,23 @@ def test_logits_match_transformers_fp32(arch: str, fmt: str, tokenizer) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_decode_matches_transformers_generate(arch: str, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """Decode steps, chunked prefill (16-token chunks) and the window in the decode kernel: our greedy tokens
-    are `transformers`' greedy tokens (its `generate`, which recomputes length-dependent rope per step as
-    we do)."""
+    are `transformers`' greedy tokens."""
     engine = _engine(tiny_model(arch, "hf"), tokenizer, max_num_batched_tokens=16)
-    prompt = _prompt(engine.model.config.vocab_size, 40)
-    ours = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].token_ids
-    with torch.no_grad():
-        out = _hf_model(arch).generate(
-            torch.tensor([prompt]), max_new_tokens=24, do_sample=False, output_scores=True,
-            return_dict_in_generate=True, eos_token_id=None, pad_token_id=0,
-        )
-    theirs = out.sequences[0, len(prompt):].tolist()
-    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-        if a != b:  # only a near tie may go either way, and then the texts part
-            scores = out.scores[step][0]
-            assert (scores[b] - scores[a]).abs().item() < 1e-4, f"{arch}: step {step}: {ours} vs {theirs}"
-            break
+    _assert_greedy_matches(engine, arch, _prompt(engine.model.config.vocab_size, 40), 24)
 
 
+@pytest.mark.parametrize("fmt", ["hf", "gguf-bf16"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_native_path_stays_near_fp32_reference(arch: str, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_bf16_native_path_stays_near_fp32_reference(arch: str, fmt: str, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """The bf16 C++ path (packed linears, fused bias + q/k norm + rope, GELU, windowed decode) runs every
     family, with no eager fallback, within bf16's tolerance of the fp32 reference."""
     from dynserve.engine.kernels.eager import fallback_counts
 
     before = fallback_counts()
-    engine = _engine(tiny_model(arch, "hf"), tokenizer, dtype="bfloat16")
+    engine = _engine(tiny_model(arch, fmt), tokenizer, dtype="bfloat16")
     if engine.model.step_ops().name != "native-bf16":
         pytest.skip("the C++ bf16 kernels are not available on this machine")
-    prompt = _prompt(engine.model.config.vocab_size)
+    prompt = _gguf_prompt(arch, fmt, engine.model.config, _prompt(engine.model.config.vocab_size))
     ref = _reference(arch, prompt)[-1]
     ours = engine.compute_logits([prompt])[0]
     rel = ((ours - ref).norm() / ref.norm()).item()
