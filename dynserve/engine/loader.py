@@ -165,12 +165,13 @@ def _gguf_config(reader: Any, path: Path, rope_tensors: dict[str, np.ndarray]) -
     layer_windows: tuple[int, ...] = ()
     extra: dict[str, Any] = {}
     if arch == "gemma3":
-        # llama.cpp's Gemma 3: every sixth layer is global, the others slide; local rope base 10,000; the
+        # llama.cpp's Gemma 3: every sixth layer is global, the others slide; local rope base rope.freq_base_swa
+        # (10,000 when absent, as in files converted before llama.cpp wrote it); the
         # 27B model scales queries by hidden / heads, the others by the head size
         layer_windows = tuple(0 if (i + 1) % 6 == 0 else window for i in range(num_layers))
         scalar = hidden / num_heads if _gguf_field(reader, "general.size_label") == "27B" else head_dim
         extra = dict(qk_norm=True, sandwich_norm=True, embed_scale=hidden**0.5, hidden_act="gelu_tanh",
-                     attention_scale=scalar**-0.5, rope_local_theta=10000.0)
+                     attention_scale=scalar**-0.5, rope_local_theta=float(get("rope.freq_base_swa", 10000.0)))
     elif window:
         layer_windows = (window,) * num_layers
     if arch == "qwen2":

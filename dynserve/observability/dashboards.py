@@ -276,9 +276,9 @@ def _workers_panels() -> list[PanelBuilder]:
         _graph("KV evictions/s", "Cached KV blocks evicted to make room.", "ops",
                [(per_worker("dynserve_worker_kv_evictions_total"), "{{worker_id}}")], width=12),
         _graph("Engine ops in eager torch/s", "Calls of an op the worker's kernels do not cover yet (e.g. the "
-               "Triton ops' q/k norm), run in eager torch: correct, slower. Empty when every op has its kernel.",
-               "ops", [(_sum_rate("dynserve_worker_engine_op_fallbacks_total", _WORKER, "worker_id, ops, op"),
-                        "{{worker_id}} {{ops}} {{op}}")], width=24),
+               "Triton ops' q/k norm), run in eager torch: correct, slower; the worker's log names the ops. Zero "
+               "when every op has its kernel.",
+               "ops", [(per_worker("dynserve_worker_engine_op_fallbacks_total"), "{{worker_id}}")], width=24),
         Row("Latency per pool (measured on the workers)"),
         _graph("Time to first token by pool", "From a request's arrival at a worker to its first token.", "s",
                _rule_quantiles("role:dynserve_worker_time_to_first_token_seconds", _ROLE, "role"), width=12),

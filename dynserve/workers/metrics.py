@@ -201,13 +201,11 @@ class WorkerMetrics:
         for reason, count in transfer[3].items():
             failures.add_metric([*labels, reason], count)
         yield failures
-        fallbacks = CounterMetricFamily("dynserve_worker_engine_op_fallbacks", "Calls of an engine op that ran in "
-                                        "eager torch because the step ops in use have no kernel for it yet (e.g. "
-                                        "the Triton ops' q/k norm), by ops and op", labels=[*names, "ops", "op"])
         eager = sys.modules.get("dynserve.engine.kernels.eager")  # never imported: nothing ran, and no torch
-        for (ops, op), count in (eager.fallback_counts().items() if eager is not None else ()):
-            fallbacks.add_metric([*labels, ops, op], count)
-        yield fallbacks
+        yield counter("dynserve_worker_engine_op_fallbacks", "Calls of engine ops that ran in eager torch because "
+                      "the step ops in use have no kernel for them yet (e.g. the Triton ops' q/k norm; which ops: "
+                      "the worker's log warns once per op)",
+                      sum(eager.fallback_counts().values()) if eager is not None else 0)
 
 
 class _Collector:
