@@ -171,27 +171,27 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
 
 namespace {
 
-inline void rms_norm_row(const at::BFloat16* __restrict__ in, const at::BFloat16* __restrict__ weight,
-                         at::BFloat16* __restrict__ out, int64_t H, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < H; ++i) {
-    const float v = to_f32(in[i]);
-    sum += v * v;
-  }
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < H; ++i) out[i] = to_bf16(to_f32(in[i]) * inv * to_f32(weight[i]));
-}
-
-inline void rms_norm_in_place(at::BFloat16* x, const at::BFloat16* __restrict__ weight, int64_t H, float eps) {
+// 1 / RMS(x) of a bf16 row, summed in fp32.
+inline float inv_rms(const at::BFloat16* x, int64_t H, float eps) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < H; ++i) {
     const float v = to_f32(x[i]);
     sum += v * v;
   }
-  const float inv = 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
+  return 1.f / std::sqrt(sum / static_cast<float>(H) + eps);
+}
+
+inline void rms_norm_row(const at::BFloat16* __restrict__ in, const at::BFloat16* __restrict__ weight,
+                         at::BFloat16* __restrict__ out, int64_t H, float eps) {
+  const float inv = inv_rms(in, H, eps);
+#pragma omp simd
+  for (int64_t i = 0; i < H; ++i) out[i] = to_bf16(to_f32(in[i]) * inv * to_f32(weight[i]));
+}
+
+// rms_norm_row with `out` = `in` (a q or k head of the fused projection, normalised where it lies).
+inline void rms_norm_in_place(at::BFloat16* x, const at::BFloat16* __restrict__ weight, int64_t H, float eps) {
+  const float inv = inv_rms(x, H, eps);
   for (int64_t i = 0; i < H; ++i) x[i] = to_bf16(to_f32(x[i]) * inv * to_f32(weight[i]));
 }
 
