@@ -96,6 +96,10 @@ class Settings(BaseSettings):
         None, gt=0, description="keep the time to first token of admitted requests at this target under any load: "
         "an adaptive number of requests may wait for their first token, the excess gets 429 with Retry-After at "
         "once (default: off; only max_queue bounds what is admitted)", json_schema_extra=_GATEWAY)
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto", description="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, Hermes), llama3_json "
+        "(Llama 3.1-3.3's JSON call), mistral ([TOOL_CALLS] list); auto: from the model's chat template and "
+        "vocabulary", json_schema_extra=_GATEWAY)
     worker_wait_s: float = Field(0.0, ge=0, description="when no worker is ready, hold a request this long for "
                                  "one to start (a planner scaling up from zero) before answering 503; "
                                  "dynctl serve --planner: 120 unless set", json_schema_extra=_GATEWAY)

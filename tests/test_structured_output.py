@@ -371,21 +371,6 @@ def test_tools_on_a_text_completion_are_refused(tokenizer: Any) -> None:
         prepare_completion(request, tokenizer, 8192)
 
 
-def test_calls_are_parsed_from_text_streamed_or_whole() -> None:
-    from dynserve.gateway.tools import ToolCallParser
-
-    text = 'Let me check. <tool_call>\n{"name": "get_time", "arguments": {"city": "Rome"}}\n</tool_call>'
-    parser = ToolCallParser()
-    streamed = "".join(parser.push(text[i:i + 5]) for i in range(0, len(text), 5)) + parser.finish()
-    assert streamed == "Let me check. "  # the call's text is never sent as content
-    [call] = parser.calls
-    assert call["function"] == {"name": "get_time", "arguments": '{"city": "Rome"}'}
-    plain = ToolCallParser()
-    assert plain.push("a < b <tool") + plain.finish() == "a < b <tool" and not plain.calls
-    broken = ToolCallParser()
-    assert broken.push("<tool_call>{not json</tool_call>") + broken.finish() == "<tool_call>{not json</tool_call>"
-
-
 def test_a_named_tool_is_called_with_arguments_that_match_its_schema(client: openai.OpenAI) -> None:
     completion = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=48, temperature=0,  # type: ignore[arg-type]
@@ -400,17 +385,23 @@ def test_a_named_tool_is_called_with_arguments_that_match_its_schema(client: ope
 def test_required_calls_stream_as_tool_call_deltas(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",  # type: ignore[arg-type]
                                             max_tokens=80, temperature=1.0, seed=2, stream=True)
-    calls: dict[int, Any] = {}
-    reasons = []
+    calls: dict[int, dict[str, Any]] = {}
+    reasons, num_argument_deltas = [], 0
     for chunk in stream:
         delta = chunk.choices[0].delta
         assert not delta.content  # a required call leaves no room for text
         for call in delta.tool_calls or []:
-            calls[call.index] = call
+            if call.id is not None:  # a call's first delta: its id and name
+                assert call.index not in calls and call.function and call.function.name
+                calls[call.index] = {"id": call.id, "name": call.function.name, "arguments": ""}
+            elif call.function and call.function.arguments:
+                num_argument_deltas += 1
+            calls[call.index]["arguments"] += (call.function and call.function.arguments) or ""
         reasons.append(chunk.choices[0].finish_reason)
     assert reasons[-1] == "tool_calls" and calls
+    assert num_argument_deltas > len(calls)  # the arguments arrived in pieces, as they formed
     for call in calls.values():
-        _valid_call(call.function.name, call.function.arguments)
+        _valid_call(call["name"], call["arguments"])
 
 
 def test_a_tool_result_renders_in_the_next_turn_and_none_calls_nothing(client: openai.OpenAI) -> None:

@@ -32,7 +32,6 @@ from dynserve.gateway.errors import ApiError, validation_error
 from dynserve.gateway.http import Exchange
 from dynserve.gateway.metrics import observe_many
 from dynserve.gateway.preprocess import Prepared, prepare_chat, prepare_completion
-from dynserve.gateway.tools import ToolCallParser
 from dynserve.gateway.responses import DONE, ChoiceState, ResponseBuilder, sse
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from dynserve.gateway.state import GatewayState
@@ -98,7 +97,7 @@ class CompletionRoutes:
         request = self._validate(kind, body)
         max_len = state.backend.max_model_len
         if isinstance(request, ChatCompletionRequest):
-            prepared = prepare_chat(request, state.tokenizer, max_len)
+            prepared = prepare_chat(request, state.tokenizer, max_len, state.tool_format)
         else:
             prepared = prepare_completion(request, state.tokenizer, max_len)
         state.admit()
@@ -173,7 +172,7 @@ class _Run:
         run = cls(state, kind, requests, builder, limit_s)
         if prepared.tools is not None:
             for choice in run.choices:
-                choice.tool_calls = ToolCallParser()
+                choice.tool_calls = prepared.tool_call_parser()
         return run
 
     def __init__(self, state: GatewayState, kind: Kind, requests: list[GenerateRequest],

@@ -21,6 +21,7 @@ from typing import Any
 from dynserve.errors import InvalidRequestError, TokenizerError
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from dynserve.gateway.structured import grammar_of
+from dynserve.gateway.tool_formats import ToolCallParser, ToolFormat, select_tool_format
 from dynserve.gateway.tools import ToolPlan, call_grammar, render_messages, tool_plan_of
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import Grammar, SamplingParams
@@ -42,11 +43,19 @@ _SGLANG_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """`prompts[p]` runs with `params[i]` for the choices `p * n + i`; `tools`: the chat's tool plan, whose
-    calls its answers are parsed for."""
+    calls its answers are parsed for, in `tool_format`."""
 
     prompts: list[list[int]]
     params: list[SamplingParams]
     tools: ToolPlan | None = None
+    tool_format: ToolFormat | None = None
+
+    def tool_call_parser(self) -> ToolCallParser | None:
+        """A fresh parser for one choice's answer; None without tools. A forced call streams its arguments
+        as they form (the grammar guarantees it parses)."""
+        if self.tools is None or self.tool_format is None:
+            return None
+        return ToolCallParser(self.tool_format, stream_arguments=self.tools.forced)
 
     @property
     def n(self) -> int:
@@ -73,7 +82,9 @@ def reject_unsupported(request: _SamplingFields) -> None:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
 
 
-def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> Prepared:
+def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int,
+                 tool_format: ToolFormat | None = None) -> Prepared:
+    """`tool_format`: how the model writes tool calls (default: `select_tool_format` of the tokenizer)."""
     reject_unsupported(request)
     messages = []
     for i, message in enumerate(request.messages):
@@ -90,10 +101,17 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model
         entry: dict[str, Any] = {"role": role, "content": content or ""}
         if message.tool_calls:
             entry["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
+        if message.name is not None:
+            entry["name"] = message.name
         messages.append(entry)
     tools = tool_plan_of(request)
+    if tool_format is None:
+        tool_format = select_tool_format(tokenizer)
+    rendered, tools_arg = render_messages(messages, tools, tool_format, tokenizer.chat_template_renders_tools)
     try:
-        text = tokenizer.apply_chat_template(render_messages(messages, tools))
+        text = tokenizer.apply_chat_template(rendered, tools=tools_arg)
     except TokenizerError as exc:
         raise InvalidRequestError(str(exc), param="messages") from exc
     prompt = tokenizer.encode(text)
@@ -103,8 +121,8 @@ def prepare_chat(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model
     max_tokens = request.max_completion_tokens or request.max_tokens
     params = _sampling_params(request, len(prompt), max_model_len, max_tokens, logprobs, "messages",
                               tokenizer.end_of_generation_ids - {tokenizer.eos_token_id},
-                              call_grammar(tools) if tools is not None else None)
-    return Prepared([prompt], params, tools)
+                              call_grammar(tools, tool_format) if tools is not None else None)
+    return Prepared([prompt], params, tools, tool_format)
 
 
 def prepare_completion(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> Prepared:

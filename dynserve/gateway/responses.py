@@ -5,9 +5,10 @@ knows which it is making. Chunks are encoded with msgspec straight to SSE bytes 
 stream ends with `data: [DONE]`, exactly as OpenAI streams; with `stream_options.include_usage` every
 chunk carries `"usage": null` and a last chunk with empty `choices` carries the usage. With
 `continuous_usage_stats` too (vLLM's extension), each chunk of text or of a finish carries the usage so far
-instead of null. A chat with tools (`tools.py`) streams its text until a call could begin, and its calls as
-`delta.tool_calls` when the answer ends; a whole answer's calls are `message.tool_calls`; either way an answer
-that called a tool ends with finish_reason "tool_calls".
+instead of null. A chat with tools has its answer parsed as it arrives (`tool_formats.ToolCallParser`): its text streams
+until a call could begin, its calls as `delta.tool_calls` (a forced call's arguments as they form, any other
+call whole once it closes); a whole answer's calls are `message.tool_calls`; either way an answer that called
+a tool ends with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from dynserve.gateway.tools import ToolCallParser
+from dynserve.gateway.tool_formats import ToolCallParser
 from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import TokenDelta, TokenLogprob
 
@@ -43,9 +44,19 @@ class ChoiceState:
     finish_reason: str | None = None
     text_offset: int = 0
     tool_calls: ToolCallParser | None = None  # a chat with tools: its answer is parsed for calls
+    contents: list[str] = field(default_factory=list)  # with tools: the answer's text that is not calls
+    # with tools: what the last absorbed delta gave, to stream (content, `delta.tool_calls` entries)
+    pending: tuple[str, list[dict[str, Any]]] = ("", [])
 
     def absorb(self, delta: TokenDelta) -> None:
         self.texts.append(delta.text)
+        if self.tool_calls is not None:
+            content, calls = self.tool_calls.push(delta.text, delta.token_ids)
+            if delta.finished:
+                rest, more = self.tool_calls.finish()
+                content, calls = content + rest, calls + more
+            self.contents.append(content)
+            self.pending = (content, calls)
         if delta.logprobs:
             self.logprobs.extend(delta.logprobs)
         self.num_prompt_tokens = delta.num_prompt_tokens
@@ -86,9 +97,8 @@ class ResponseBuilder:
         out = []
         text, reason, calls = delta.text, delta.finish_reason, None
         if state.tool_calls is not None:
-            text = state.tool_calls.push(text) + (state.tool_calls.finish() if delta.finished else "")
-            calls = state.tool_calls.calls
-            reason = "tool_calls" if calls and reason == "stop" else reason
+            (text, calls), state.pending = state.pending, ("", [])
+            reason = "tool_calls" if state.tool_calls.calls and reason == "stop" else reason
         if text or delta.logprobs:
             logprobs = self._logprobs(delta.logprobs or [], state) if delta.logprobs else None
             if self.kind == "chat":
@@ -99,8 +109,7 @@ class ResponseBuilder:
             out.append(self._chunk([choice], usage))
         state.text_offset += len(delta.text)
         if calls:
-            deltas = [{"index": i, **call} for i, call in enumerate(calls)]
-            out.append(self._chunk([{"index": state.index, "delta": {"tool_calls": deltas}, "logprobs": None,
+            out.append(self._chunk([{"index": state.index, "delta": {"tool_calls": calls}, "logprobs": None,
                                      "finish_reason": None}], usage))
         if delta.finished:
             if self.kind == "chat":
@@ -124,12 +133,10 @@ class ResponseBuilder:
             if self.kind == "chat":
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 reason = state.finish_reason
-                if state.tool_calls is not None:
-                    parser = ToolCallParser()
-                    content = parser.push(text) + parser.finish()
-                    if parser.calls:
-                        message = {"role": "assistant", "content": content or None, "tool_calls": parser.calls}
-                        reason = "tool_calls" if reason == "stop" else reason
+                if state.tool_calls is not None and state.tool_calls.calls:
+                    content = "".join(state.contents)
+                    message = {"role": "assistant", "content": content or None, "tool_calls": state.tool_calls.calls}
+                    reason = "tool_calls" if reason == "stop" else reason
                 choices.append({"index": state.index, "message": message, "logprobs": logprobs,
                                 "finish_reason": reason})
             else:

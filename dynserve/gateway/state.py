@@ -14,6 +14,7 @@ from dynserve.gateway.admission import Admission
 from dynserve.gateway.dispatcher import Backend
 from dynserve.gateway.errors import ApiError
 from dynserve.gateway.metrics import GatewayMetrics
+from dynserve.gateway.tool_formats import ToolFormat, select_tool_format
 from dynserve.model.tokenizer import Tokenizer
 
 __all__ = ["GatewayState"]
@@ -30,6 +31,10 @@ class GatewayState:
     on_waiting_for_worker: Callable[[], None] | None = None
     num_waiting_for_worker: int = 0
     admission: Admission | None = None  # with Settings.admission_ttft_ms: the TTFT-keeping admission limit
+    tool_format: ToolFormat = field(init=False)  # how the model writes tool calls (Settings.tool_call_parser)
+
+    def __post_init__(self) -> None:
+        self.tool_format = select_tool_format(self.tokenizer, self.settings.tool_call_parser)
 
     @property
     def model_id(self) -> str:

@@ -1,48 +1,39 @@
-"""Tool calling: `tools`, `tool_choice` and `parallel_tool_calls` in, `tool_calls` out, Hermes style.
+"""Tool calling: `tools`, `tool_choice` and `parallel_tool_calls` in, the prompt and the grammar out.
 
-- Rendering: the model's chat template receives plain messages. The tools are described in the system
-  message by a default section (`TOOLS_SECTION`: each function's JSON inside `<tools></tools>`, and the call
-  format); an assistant turn's earlier calls render as `<tool_call>` blocks in its content, and a `tool`
-  message as a user turn holding `<tool_response>{content}</tool_response>`. (Templates with their own tools
-  section, such as Qwen's, are not yet given the tools: the tokenizer's `apply_chat_template` has no `tools`
-  argument today; they get the same default section.)
-- Output: a call is `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`. `tool_choice: "required"`
-  or a named function is enforced by a grammar (`call_grammar`): the answer is one call (or, with
-  `parallel_tool_calls`, one or more), each naming a given function with arguments that match its
-  `parameters` schema. `auto` leaves the model free and parses the calls it writes (`ToolCallParser`);
-  `none` renders no tools and parses nothing.
-- Streaming (`ToolCallParser.push`): text is streamed until a `<tool_call>` could begin; what follows is held
-  and, once the answer ends, sent as `delta.tool_calls` (id, name, whole arguments), with
-  `finish_reason: "tool_calls"`.
+- Rendering (`render_messages`): a chat template with a tools section of its own (Qwen2.5, Qwen3, Llama 3.1,
+  Mistral Nemo: `Tokenizer.chat_template_renders_tools`) gets the tools, earlier calls (their arguments as
+  objects) and `tool` messages as it expects them (Mistral's ids as its nine letters and digits). Any other
+  template gets plain messages: the tools described in the system message by the format's default section,
+  earlier calls written in the format's syntax, and a tool result as a user turn holding
+  `<tool_response>{content}</tool_response>`.
+- Calls are written in the model family's format (`tool_formats.py`: Hermes, Llama 3 JSON, Mistral).
+  `tool_choice: "required"` or a named function is enforced by a grammar (`call_grammar`): the answer is one
+  call (or, with `parallel_tool_calls` and a format that allows it, one or more), each naming a given
+  function with arguments that match its `parameters` schema. `auto` leaves the model free and parses the
+  calls it writes; `none` renders no tools and parses nothing.
 
-Pure functions of the request and of the text; every problem with the request is an `InvalidRequestError`
-naming the field.
+Pure functions of the request; every problem with the request is an `InvalidRequestError` naming the field.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import secrets
-from dataclasses import dataclass, field
+import string
+from dataclasses import dataclass
 from typing import Any
 
 from dynserve.errors import InvalidRequestError
-from dynserve.gateway.structured import checked_grammar, check_json_schema
+from dynserve.gateway.structured import check_json_schema, checked_grammar
+from dynserve.gateway.tool_formats import ToolFormat
 from dynserve.protocol import Grammar
 
-__all__ = ["TOOLS_SECTION", "ToolCallParser", "ToolPlan", "call_grammar", "render_messages", "tool_plan_of"]
+__all__ = ["ToolPlan", "call_grammar", "render_messages", "tool_plan_of"]
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-TOOLS_SECTION = (
-    "# Tools\n\nYou can call functions to answer. Their signatures are inside <tools></tools>:\n<tools>\n"
-    "{tools}\n</tools>\n\nTo call one, answer with its name and JSON arguments inside <tool_call></tool_call>:\n"
-    "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <arguments-object>}}\n</tool_call>"
-)
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-# JSON as the engine writes it under a grammar (see engine/structured.py's JSON_OPTIONS)
-_JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
+_ID_CHARS = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,111 +106,77 @@ def _check_tool(tool: Any, param: str) -> str:
     return name
 
 
-def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    return function.get("parameters") or {"type": "object", "properties": {}}
-
-
-def call_grammar(plan: ToolPlan) -> Grammar | None:
-    """The grammar a forced plan's answer keeps (None for `auto`): tool calls only, each naming one of the
-    allowed functions with arguments matching its schema (non-strict functions: keywords the engine cannot
-    enforce are ignored)."""
+def call_grammar(plan: ToolPlan, tool_format: ToolFormat) -> Grammar | None:
+    """The grammar a forced plan's answer keeps (None for `auto`): tool calls only, in `tool_format`'s syntax,
+    each naming one of the allowed functions with arguments matching its schema (non-strict functions:
+    keywords the engine cannot enforce are ignored)."""
     if not plan.forced:
         return None
     functions = [t["function"] for t in plan.tools if plan.choice in ("required", t["function"]["name"])]
     lenient = not all(f.get("strict") for f in functions)
-    schema = {"x-guidance": {**_JSON_STYLE, "lenient": lenient}, "anyOf": [
-        {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": _parameters(f)},
-         "required": ["name", "arguments"], "additionalProperties": False} for f in functions]}
-    repeat = ' ("\\n" call)*' if plan.parallel else ""
-    source = (f"start: call{repeat}\ncall: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n"
-              f"body: %json {json.dumps(schema)}")
+    source = tool_format.grammar_source(functions, lenient, plan.parallel)
     return checked_grammar(Grammar(kind="lark", source=source), "tools")
 
 
-def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None) -> list[dict[str, Any]]:
-    """Plain messages for the chat template: tool calls and results as text, the tools in the system message."""
+def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, tool_format: ToolFormat,
+                    native: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and tools to give the chat template: as its own tools section expects them (`native`),
+    or plain, with the tools in the system message and calls and results as text."""
+    if native:
+        return [_native_message(message, tool_format) for message in messages], (plan.tools if plan else None)
     out = []
     for message in messages:
-        role, content = message["role"], message.get("content") or ""
-        if isinstance(content, list):  # text parts
-            content = "\n".join(part["text"] for part in content)
+        role, content = message["role"], _text(message.get("content"))
         if role == "assistant" and message.get("tool_calls"):
-            calls = "\n".join(f"{CALL_OPEN}\n{_call_json(call)}\n{CALL_CLOSE}" for call in message["tool_calls"])
+            calls = tool_format.call_text([(call["function"]["name"], _arguments(call))
+                                           for call in message["tool_calls"]])
             content = f"{content}\n{calls}" if content else calls
         elif role == "tool":
             role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
         out.append({"role": role, "content": content})
     if plan is not None:
-        section = TOOLS_SECTION.format(tools="\n".join(json.dumps(tool) for tool in plan.tools))
+        section = tool_format.section.format(tools="\n".join(json.dumps(tool) for tool in plan.tools))
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{section}"}
         else:
             out.insert(0, {"role": "system", "content": section})
+    return out, None
+
+
+def _native_message(message: dict[str, Any], tool_format: ToolFormat) -> dict[str, Any]:
+    out = {**message, "content": _text(message.get("content"))}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"id": _call_id(call["id"], tool_format), "type": "function",
+                              "function": {"name": call["function"]["name"], "arguments": _arguments(call)}}
+                             for call in message["tool_calls"]]
+    if message.get("tool_call_id") is not None:
+        out["tool_call_id"] = _call_id(message["tool_call_id"], tool_format)
     return out
 
 
-def _call_json(call: dict[str, Any]) -> str:
-    function = call["function"]
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # text parts
+        return "\n".join(part["text"] for part in content)
+    return content or ""
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    """A call's arguments as an object (templates write them with `tojson`); as the client sent them when
+    they are not JSON."""
     try:
-        arguments = json.loads(function["arguments"])
+        return json.loads(call["function"]["arguments"])
     except ValueError:
-        arguments = function["arguments"]  # as the client sent it
-    return json.dumps({"name": function["name"], "arguments": arguments})
+        return call["function"]["arguments"]
 
 
-@dataclass(slots=True)
-class ToolCallParser:
-    """One choice's output under a tool plan: the text to stream now, the calls at the end."""
-
-    held: str = ""  # text not yet sent: a possible start of a call, or every call once one began
-    in_calls: bool = False
-    calls: list[dict[str, Any]] = field(default_factory=list)
-
-    def push(self, text: str) -> str:
-        """Add generated text; return the part that is plain content and safe to send now."""
-        self.held += text
-        if self.in_calls:
-            return ""
-        start = self.held.find(CALL_OPEN)
-        if start >= 0:
-            out, self.held, self.in_calls = self.held[:start], self.held[start:], True
-            return out
-        keep = next((n for n in range(min(len(CALL_OPEN) - 1, len(self.held)), 0, -1)
-                     if self.held.endswith(CALL_OPEN[:n])), 0)
-        out = self.held[: len(self.held) - keep]
-        self.held = self.held[len(out):]
-        return out
-
-    def finish(self) -> str:
-        """The answer ended: parse the held calls into `calls`; return the content still to send (text that
-        was held, and what is not a well-formed call)."""
-        held, self.held = self.held, ""
-        if not self.in_calls:
-            return held
-        rest, last = [], 0
-        for match in _CALL.finditer(held):
-            call = _parse_call(match.group(1))
-            if call is None:
-                continue
-            rest.append(held[last:match.start()])
-            last = match.end()
-            self.calls.append(call)
-        rest.append(held[last:])
-        return "".join(rest).strip() if self.calls else held
-
-
-def _parse_call(body: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("arguments", {})
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
-            "function": {"name": value["name"], "arguments": json.dumps(arguments)}}
+def _call_id(call_id: str, tool_format: ToolFormat) -> str:
+    """Mistral's template takes only ids of nine letters and digits: any other id maps to one, the same way
+    for a call and for its result."""
+    if tool_format.name != "mistral" or _MISTRAL_ID.fullmatch(call_id):
+        return call_id
+    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    chars = []
+    for _ in range(9):
+        number, digit = divmod(number, len(_ID_CHARS))
+        chars.append(_ID_CHARS[digit])
+    return "".join(chars)

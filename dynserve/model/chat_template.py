@@ -11,11 +11,12 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynserve.errors import TokenizerError
 
-__all__ = ["GEMMA_CHAT_TEMPLATE", "compile_chat_template", "default_chat_template", "plain_message"]
+__all__ = ["GEMMA_CHAT_TEMPLATE", "chat_template_variables", "compile_chat_template", "default_chat_template", "plain_message"]
 
 # Gemma's turn format, for a Gemma GGUF that carries no template of its own (Gemma 3 270M's does not):
 #   <bos><start_of_turn>user\n{system}\n\n{user}<end_of_turn>\n<start_of_turn>model\n{reply}<end_of_turn>\n
@@ -75,6 +76,16 @@ def compile_chat_template(source: str) -> jinja2.Template:
         return environment.from_string(source)
     except jinja2.TemplateError as exc:
         raise TokenizerError(f"the chat template does not compile: {exc}") from exc
+
+
+def chat_template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its context (`messages`, `tools`, `bos_token`, ...); none when it
+    does not compile."""
+    environment = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(environment.parse(source)))
+    except jinja2.TemplateError:
+        return frozenset()
 
 
 def plain_message(message: Any, index: int) -> dict[str, Any]:

@@ -42,7 +42,12 @@ from tokenizers import AddedToken, decoders, models
 from dynserve.errors import TokenizerError
 from dynserve.model.added_tokens import added_token_splitter
 from dynserve.model.byte_level import AsciiWords, byte_level_token_bytes
-from dynserve.model.chat_template import compile_chat_template, default_chat_template, plain_message
+from dynserve.model.chat_template import (
+    chat_template_variables,
+    compile_chat_template,
+    default_chat_template,
+    plain_message,
+)
 from dynserve.model.detokenizer import IncrementalDetokenizer
 from dynserve.model.gguf_metadata import read_gguf_metadata
 from dynserve.model.gguf_pretokenizers import gguf_pre_tokenizer
@@ -301,13 +306,15 @@ class Tokenizer:
 
     # chat
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered like transformers' `apply_chat_template`."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a conversation, rendered like transformers' `apply_chat_template` (`tools`: JSON
+        schemas of functions, `{"type": "function", "function": {...}}`, for templates with a tools section)."""
         if self.chat_template is None:
             raise TokenizerError("this model has no chat template; send a plain completion prompt instead")
         context: dict[str, Any] = {
             "messages": [plain_message(message, i) for i, message in enumerate(messages)],
-            "tools": None,
+            "tools": tools,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -319,6 +326,15 @@ class Tokenizer:
         except Exception as exc:  # the template is the model's code: any failure in it (TypeError on a
             # None content, raise_exception, a sandbox violation) is a rendering failure for the caller
             raise TokenizerError(f"the chat template failed to render: {exc}") from exc
+
+    @cached_property
+    def chat_template_renders_tools(self) -> bool:
+        """The chat template has a tools section of its own (it reads the `tools` variable)."""
+        return self.chat_template is not None and "tools" in chat_template_variables(self.chat_template)
+
+    def token_id_of(self, text: str) -> int | None:
+        """The id of the one token whose text is `text` (a special token's, say); None when there is none."""
+        return self._raw.token_to_id(text)
 
     def _template_end_of_turn_id(self) -> int | None:
         """The special token the chat template writes right after an assistant message's content (ChatML's
