@@ -46,7 +46,7 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$comme
                           "writeOnly", "markdownDescription", "$id", "id", "$schema", "$anchor"})
 _SHAPING = frozenset({"type", "$ref", "$dynamicRef", "enum", "const", "anyOf", "oneOf", "allOf", "not", "if"})
 _OBJECT_KEYWORDS = frozenset({"properties", "required", "additionalProperties", "patternProperties"})
-_FIXED_SIZE_FORMATS = frozenset({"date", "time", "date-time", "uuid", "ipv4", "ipv6"})
+_FIXED_SIZE_FORMATS = frozenset({"date", "uuid", "ipv4", "ipv6"})  # (a time's fraction of a second is not)
 # keywords whose value is a schema, a list of schemas, or a map of name to schema (draft-04 to 2020-12);
 # `not`, `if`, `then`, `else` are absent: a constraint added under them could widen what the whole allows
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "contains", "propertyNames",
