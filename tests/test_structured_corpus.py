@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from benchmarks._schema_corpus import Corpus, CorpusSchema, bounded, check_answer, load_corpus
+from dynserve.config import Settings
 from dynserve.protocol import Grammar, SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -68,8 +69,22 @@ def test_bounded_schemas_only_narrow_the_published_ones() -> None:
     assert problem is not None and "sent schema" in problem and "maxLength" not in json.dumps(schema)
 
 
+@pytest.fixture(scope="module")
+def model_answers(corpus: Corpus, make_engine: Any, tokenizer: Any) -> tuple[Any, list[CorpusSchema], list[Any]]:
+    """(the engine, the schemas, the answers) of the real model asked for `MODEL_SCHEMAS`, batched."""
+    by_name = {schema.name: schema for schema in corpus.schemas}
+    chosen = [by_name[name] for name in MODEL_SCHEMAS]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Answer with one JSON document."}]))
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i,
+                             grammar=Grammar(kind="json_schema", source=json.dumps(schema.sent)))
+              for i, schema in enumerate(chosen)]
+    engine = make_engine(kv_blocks=128)
+    return engine, chosen, engine.generate([prompt] * len(chosen), params)
+
+
 def test_every_answer_over_the_corpus_is_valid(corpus: Corpus, make_mocker: Any, make_gateway: Any,
-                                                make_engine: Any, tokenizer: Any) -> None:
+                                                model_answers: Any) -> None:
     _handle, info = make_mocker("corpus-0", mocker_speedup=1000.0, kv_blocks=512, namespace="so-corpus")
     server = make_gateway(infos=[info], namespace="so-corpus")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -84,15 +99,7 @@ def test_every_answer_over_the_corpus_is_valid(corpus: Corpus, make_mocker: Any,
             if problem:
                 problems.append(f"{schema.name}: {problem}")
 
-    # a few from the real model at temperature 1, on the engine itself
-    by_name = {schema.name: schema for schema in corpus.schemas}
-    chosen = [by_name[name] for name in MODEL_SCHEMAS]
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Answer with one JSON document."}]))
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i,
-                             grammar=Grammar(kind="json_schema", source=json.dumps(schema.sent)))
-              for i, schema in enumerate(chosen)]
-    results = make_engine(kv_blocks=128).generate([prompt] * len(chosen), params)
+    _engine, chosen, results = model_answers  # a few from the real model at temperature 1, on the engine itself
     for schema, result in zip(chosen, results, strict=True):
         num_answers += 1
         problem = _verdict(result.text, result.finish_reason, schema)
@@ -111,3 +118,22 @@ def test_every_answer_over_the_corpus_is_valid(corpus: Corpus, make_mocker: Any,
     assert not problems, "\n".join(problems)
     assert num_answers >= 200 and len(corpus.schemas) >= 30
     assert num_schemastore >= 20 and corpus.count("own:") >= 10
+
+
+def test_the_engines_mask_times_are_a_worker_metric(model_answers: Any) -> None:
+    from dynserve.workers.metrics import WorkerMetrics
+    from dynserve.workers.mocker import MockEngine
+
+    engine, _chosen, results = model_answers
+    timings = engine.mask_timings
+    assert timings.num_masks >= sum(len(result.token_ids) for result in results)  # one per constrained token
+    families = {family.name: family for family in WorkerMetrics("w", "both", engine).collect()}
+    samples = families["dynserve_worker_grammar_mask_seconds"].samples
+    by_name = {sample.name: sample.value for sample in samples if sample.labels.get("le") in (None, "+Inf")}
+    assert by_name["dynserve_worker_grammar_mask_seconds_count"] == timings.num_masks
+    assert by_name["dynserve_worker_grammar_mask_seconds_sum"] == pytest.approx(timings.total_s)
+    cumulative = [s.value for s in samples if s.name.endswith("_bucket")]
+    assert cumulative == sorted(cumulative) and cumulative[-1] == timings.num_masks and cumulative[-2] > 0
+    # a mocker times no masks: its series is there, at zero, so a dashboard's panel has one on every fleet
+    mocker = {f.name: f for f in WorkerMetrics("m", "both", MockEngine(Settings(mocker="cpu"))).collect()}
+    assert {s.value for s in mocker["dynserve_worker_grammar_mask_seconds"].samples} == {0.0}

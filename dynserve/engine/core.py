@@ -47,7 +47,7 @@ from dynserve.engine.block_manager import BlockManager
 from dynserve.engine.output import OutputText
 from dynserve.engine.scheduler import ScheduledBatch, Scheduler
 from dynserve.engine.sequence import Sequence
-from dynserve.engine.structured import GrammarState
+from dynserve.engine.structured import GrammarState, MaskTimings
 from dynserve.errors import InvalidRequestError
 from dynserve.hashing import model_salt
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
@@ -154,6 +154,11 @@ class EngineCore(abc.ABC):
         self._leases: dict[str, tuple[Sequence, float]] = {}
         self._receiving: dict[str, _Receiving] = {}
         self._receive_plans: list[ReceivePlan] = []
+
+    @property
+    def mask_timings(self) -> MaskTimings | None:
+        """How long the grammar masks took per constrained token (None: this engine does not time them)."""
+        return None
 
     @abc.abstractmethod
     def _execute(self, batch: ScheduledBatch) -> StepSamples:

@@ -23,6 +23,7 @@ from dynserve.engine.model_runner import ModelRunner, kv_block_size_bytes
 from dynserve.engine.models.decoder import CausalLM
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
+from dynserve.engine.structured import MaskTimings
 from dynserve.errors import CacheCapacityError
 from dynserve.model.resolve import resolve_model_path
 from dynserve.model.tokenizer import Tokenizer
@@ -123,6 +124,10 @@ class LLMEngine(EngineCore):
             say(f"capturing CUDA graphs of decode batches up to {settings.max_num_seqs}")
             self.runner.capture_graphs(max_model_len, settings.max_num_seqs)
         say(f"ready: {self.model_id}, {num_blocks} KV blocks, {self.device} {str(self.dtype).removeprefix('torch.')}")
+
+    @property
+    def mask_timings(self) -> MaskTimings:
+        return self.runner.grammar_masks.timings
 
     def _execute(self, batch: ScheduledBatch) -> StepSamples:
         sampled, result = self.runner.execute(batch)

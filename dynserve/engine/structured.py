@@ -23,6 +23,7 @@ grammar names); a mask row is computed from that state, before the token it cons
 
 from __future__ import annotations
 
+import bisect
 import collections
 import concurrent.futures
 import threading
@@ -41,7 +42,8 @@ from dynserve.protocol import Grammar
 if TYPE_CHECKING:
     from collections.abc import Sequence as SequenceABC
 
-__all__ = ["GrammarMasks", "GrammarState", "MaskFiller", "MaskTimings", "compile_grammar", "ll_tokenizer"]
+__all__ = ["MASK_BUCKETS_S", "GrammarMasks", "GrammarState", "MaskFiller", "MaskTimings", "compile_grammar",
+           "ll_tokenizer"]
 
 # JSON as people write it, one way: `{"a": 1, "b": [2, 3]}`. Free whitespace would let a model pad a
 # document with newlines until max_tokens runs out.
@@ -180,18 +182,30 @@ class GrammarMasks:
     bitmask: np.ndarray
 
 
+# bounds of `MaskTimings.bucket_counts` (seconds a constrained token's mask took): tens of microseconds is the
+# usual, milliseconds a lexer state built for the first time
+MASK_BUCKETS_S = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
 class MaskTimings:
-    """How long mask computation took per constrained token, over the most recent `maxlen` steps."""
+    """How long mask computation took per constrained token: the most recent `maxlen` steps' per-token
+    times (for percentiles), and a histogram over all of them (`bucket_counts[i]`: tokens whose mask took
+    at most `MASK_BUCKETS_S[i]` and more than the bound before; the last: more than every bound), each
+    step's rows counted at the step's time over its rows. One writer (the mask thread); a reader copies
+    `bucket_counts` before it sums them."""
 
     def __init__(self, maxlen: int = 4096) -> None:
         self.per_token_s: collections.deque[float] = collections.deque(maxlen=maxlen)
+        self.bucket_counts = [0] * (len(MASK_BUCKETS_S) + 1)
         self.num_masks = 0
         self.total_s = 0.0
 
     def record(self, elapsed_s: float, num_rows: int) -> None:
+        per_token_s = elapsed_s / num_rows
+        self.bucket_counts[bisect.bisect_left(MASK_BUCKETS_S, per_token_s)] += num_rows
         self.num_masks += num_rows
         self.total_s += elapsed_s
-        self.per_token_s.append(elapsed_s / num_rows)
+        self.per_token_s.append(per_token_s)
 
     def percentile_s(self, q: float) -> float | None:
         if not self.per_token_s:

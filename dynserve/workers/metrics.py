@@ -2,10 +2,12 @@
 
 Every series carries `worker_id`, `role` and `model`. What the engine already counts (prefix-cache lookups
 and hits, evictions, preemptions, generated tokens: plain integers) is read at scrape time, so it costs the
-serving path nothing; the queue and KV gauges are the driver's snapshot after each step (a scrape must not
-read the scheduler's queues while a step rebuilds them). What only the driver sees is recorded as it happens, into `StepHistogram`s (a
-bucket search and two additions, no lock): per step its duration, batch size, prefill and decode tokens and
-the inter-token latency of the step's decodes; per request the time to its first token. The transfer side
+serving path nothing, and so is the time each constrained token's grammar mask took (the engine's
+`MaskTimings` histogram); the queue and KV gauges are the driver's snapshot after each step (a scrape must
+not read the scheduler's queues while a step rebuilds them). What only the driver sees is recorded as it
+happens, into `StepHistogram`s (a bucket search and two additions, no lock): per step its duration, batch
+size, prefill and decode tokens and the inter-token latency of the step's decodes; per request the time to
+its first token. The transfer side
 counts KV reads: bytes, seconds and failures by reason (reads run on several threads: those counters take a
 lock, once a read).
 
@@ -27,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from dynserve.engine.structured import MASK_BUCKETS_S
 
 if TYPE_CHECKING:
     from dynserve.engine.core import EngineCore, EngineStats
@@ -61,14 +65,20 @@ class StepHistogram:
         self.sum += value * count
 
     def family(self, name: str, documentation: str, label_values: list[str]) -> HistogramMetricFamily:
-        counts = list(self.counts)  # one consistent copy: another thread may be observing
-        buckets, running = [], 0
-        for bound, count in zip((*self.bounds, float("inf")), counts, strict=True):
-            running += count
-            buckets.append((_le(bound), running))
-        family = HistogramMetricFamily(name, documentation, labels=["worker_id", "role", "model"])
-        family.add_metric(label_values, buckets, self.sum)
-        return family
+        return _histogram(name, documentation, label_values, self.bounds, self.counts, self.sum)
+
+
+def _histogram(name: str, documentation: str, label_values: list[str], bounds: tuple[float, ...],
+               counts: list[int], total: float) -> HistogramMetricFamily:
+    """A histogram family of per-bucket (not cumulative) `counts`, the last one +Inf's."""
+    counts = list(counts)  # one consistent copy: another thread may be observing
+    buckets, running = [], 0
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        running += count
+        buckets.append((_le(bound), running))
+    family = HistogramMetricFamily(name, documentation, labels=["worker_id", "role", "model"])
+    family.add_metric(label_values, buckets, total)
+    return family
 
 
 def _le(bound: float) -> str:
@@ -201,6 +211,12 @@ class WorkerMetrics:
         for reason, count in transfer[3].items():
             failures.add_metric([*labels, reason], count)
         yield failures
+        mask_timings = engine.mask_timings  # None: this engine computes no masks ahead (a mocker): all zeros
+        yield _histogram("dynserve_worker_grammar_mask_seconds", "Time to compute the allowed-token mask of one "
+                         "token of a request with a grammar (structured output, tools), on the mask thread while "
+                         "the forward runs", labels, MASK_BUCKETS_S,
+                         mask_timings.bucket_counts if mask_timings else [0] * (len(MASK_BUCKETS_S) + 1),
+                         mask_timings.total_s if mask_timings else 0.0)
         eager = sys.modules.get("dynserve.engine.kernels.eager")  # never imported: nothing ran, and no torch
         yield counter("dynserve_worker_engine_op_fallbacks", "Calls of engine ops that ran in eager torch because "
                       "the step ops in use have no kernel for them yet (e.g. the Triton ops' q/k norm; which ops: "
