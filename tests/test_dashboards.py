@@ -67,7 +67,7 @@ WORKER_GAUGES = {
 WORKER_HISTOGRAMS = {
     "dynserve_worker_step_duration_seconds", "dynserve_worker_step_batch_size", "dynserve_worker_step_prefill_tokens",
     "dynserve_worker_step_decode_tokens", "dynserve_worker_time_to_first_token_seconds",
-    "dynserve_worker_inter_token_latency_seconds",
+    "dynserve_worker_inter_token_latency_seconds", "dynserve_worker_grammar_mask_seconds",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 

@@ -278,7 +278,11 @@ def _workers_panels() -> list[PanelBuilder]:
         _graph("Engine ops in eager torch/s", "Calls of an op the worker's kernels do not cover yet (e.g. the "
                "Triton ops' q/k norm), run in eager torch: correct, slower; the worker's log names the ops. Zero "
                "when every op has its kernel.",
-               "ops", [(per_worker("dynserve_worker_engine_op_fallbacks_total"), "{{worker_id}}")], width=24),
+               "ops", [(per_worker("dynserve_worker_engine_op_fallbacks_total"), "{{worker_id}}")], width=12),
+        _graph("Grammar mask time per token", "Time to compute the allowed-token mask of one token of a request "
+               "with a grammar (structured output, tools), on a thread beside the forward: tens of microseconds "
+               "is the usual; no data without such requests (a mocker computes none ahead).", "s",
+               _quantiles("dynserve_worker_grammar_mask_seconds", (0.5, 0.99), _WORKER, "worker_id"), width=12),
         Row("Latency per pool (measured on the workers)"),
         _graph("Time to first token by pool", "From a request's arrival at a worker to its first token.", "s",
                _rule_quantiles("role:dynserve_worker_time_to_first_token_seconds", _ROLE, "role"), width=12),
