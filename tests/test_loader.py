@@ -98,3 +98,22 @@ def test_corrupt_gguf_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"GGUF" + b"\xff" * 64)
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):
         loader.load_model_weights(path)
+
+
+def test_the_header_reader_gives_gguf_readers_tensors_and_refuses_a_truncated_file(tmp_path: Path) -> None:
+    """The loader reads a GGUF's header itself (gguf.GGUFReader parses a 49k-token vocabulary for seconds):
+    every tensor's name, type, shape and bytes are the ones gguf's reader gives; a file cut short is refused."""
+    from dynserve.engine.loader import _read_gguf
+
+    path = resolve_model_path(None)
+    metadata, tensors = _read_gguf(path)
+    reference = gguf.GGUFReader(str(path))
+    assert metadata["general.architecture"] == "llama" and len(tensors) == len(reference.tensors)
+    for ours, theirs in zip(tensors, reference.tensors, strict=True):
+        assert (ours.name, ours.tensor_type, ours.shape.tolist()) == (theirs.name, theirs.tensor_type,
+                                                                      theirs.shape.tolist())
+        assert np.array_equal(ours.data, theirs.data), ours.name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: tensors[-1].data.nbytes // 2 + int(path.stat().st_size // 2)])
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file .*runs past the end"):
+        loader.load_model_weights(cut)

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dynserve.errors import ModelLoadError
+from dynserve.errors import ModelLoadError, TokenizerError
+from dynserve.model.gguf_metadata import read_gguf_header
 from dynserve.model.resolve import GGUF_ARCHITECTURES, HF_ARCHITECTURES, model_id_of, resolve_model_path
 
 if TYPE_CHECKING:  # torch is imported where weights are built, so resolving paths and ids needs none
@@ -137,19 +138,60 @@ def load_model_weights(
 # ---- GGUF ---------------------------------------------------------------------------------------------
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    field_ = reader.fields.get(key)
-    return default if field_ is None else field_.contents()
+@dataclass(frozen=True, slots=True)
+class _GGUFTensor:
+    """A tensor of a GGUF file as `gguf.quants.dequantize` takes it: `data` a view of the file map (the
+    elements for float and integer types, the raw blocks as bytes for quantized ones), `shape` in GGUF order."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray
+    data: np.ndarray
 
 
-def _gguf_config(reader: Any, path: Path, rope_tensors: dict[str, np.ndarray]) -> ModelConfig:
-    arch = _gguf_field(reader, "general.architecture")
+_GGUF_PLAIN_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                     "I32": np.int32, "I64": np.int64}
+
+
+def _read_gguf(path: Path) -> tuple[dict[str, Any], list[_GGUFTensor]]:
+    """The file's metadata and its tensors, each a view of one read-only map of the file (the header parsed
+    by `read_gguf_header`, not `gguf.GGUFReader`, which takes seconds over a 49k-token vocabulary)."""
+    import gguf
+
+    try:
+        header = read_gguf_header(path)
+        file_map = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = []
+        for info in header.tensors:
+            tensor_type = gguf.GGMLQuantizationType(info.ggml_type)
+            shape = tuple(reversed(info.dims))
+            num_elements = int(np.prod(info.dims))
+            plain = _GGUF_PLAIN_TYPES.get(tensor_type.name)
+            if plain is not None:
+                item_type, count = np.dtype(plain), num_elements
+            else:
+                block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+                item_type, count = np.dtype(np.uint8), num_elements * type_size // block_size
+                shape = gguf.quants.quant_shape_to_byte_shape(shape, tensor_type)
+            end = info.offset + count * item_type.itemsize
+            if end > len(file_map):
+                raise ValueError(f"tensor {info.name} runs past the end of the file")
+            data = file_map[info.offset:end].view(item_type).reshape(shape)
+            tensors.append(_GGUFTensor(info.name, tensor_type, np.array(info.dims), data))
+    except (TokenizerError, ValueError, KeyError) as exc:  # a corrupt or truncated file
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}", path=str(path)) from exc
+    return header.metadata, tensors
+
+
+def _gguf_config(metadata: dict[str, Any], tensor_names: set[str], path: Path,
+                 rope_tensors: dict[str, np.ndarray]) -> ModelConfig:
+    arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         supported = ", ".join(sorted(GGUF_ARCHITECTURES))
         raise ModelLoadError(f"unsupported architecture {arch!r} (supported: {supported})", path=str(path))
 
     def get(key: str, default: Any = None) -> Any:
-        return _gguf_field(reader, f"{arch}.{key}", default)
+        return metadata.get(f"{arch}.{key}", default)
 
     hidden = int(get("embedding_length"))
     num_heads = int(get("attention.head_count"))
@@ -159,8 +201,7 @@ def _gguf_config(reader: Any, path: Path, rope_tensors: dict[str, np.ndarray]) -
         raise ModelLoadError(f"partial rotary embeddings (rope.dimension_count {get('rope.dimension_count')} of "
                              f"head size {head_dim}) are not supported", path=str(path))
     context = int(get("context_length", 2048))
-    tensor_names = {t.name for t in reader.tensors}
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    tokens = metadata.get("tokenizer.ggml.tokens")
     window = int(get("attention.sliding_window", 0) or 0)
     layer_windows: tuple[int, ...] = ()
     extra: dict[str, Any] = {}
@@ -169,7 +210,7 @@ def _gguf_config(reader: Any, path: Path, rope_tensors: dict[str, np.ndarray]) -
         # (10,000 when absent, as in files converted before llama.cpp wrote it); the
         # 27B model scales queries by hidden / heads, the others by the head size
         layer_windows = tuple(0 if (i + 1) % 6 == 0 else window for i in range(num_layers))
-        scalar = hidden / num_heads if _gguf_field(reader, "general.size_label") == "27B" else head_dim
+        scalar = hidden / num_heads if metadata.get("general.size_label") == "27B" else head_dim
         extra = dict(qk_norm=True, sandwich_norm=True, embed_scale=hidden**0.5, hidden_act="gelu_tanh",
                      attention_scale=scalar**-0.5, rope_local_theta=float(get("rope.freq_base_swa", 10000.0)))
     elif window:
@@ -180,7 +221,7 @@ def _gguf_config(reader: Any, path: Path, rope_tensors: dict[str, np.ndarray]) -
         extra["qk_norm"] = True
     return ModelConfig(
         model_id=model_id_of(path),
-        vocab_size=int(get("vocab_size", len(tokens.data) if tokens is not None else 0)),
+        vocab_size=int(get("vocab_size", len(tokens) if tokens is not None else 0)),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=num_layers,
@@ -192,8 +233,8 @@ def _gguf_config(reader: Any, path: Path, rope_tensors: dict[str, np.ndarray]) -
         max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_names,
         rope_scaling=_gguf_rope_scaling(get, rope_tensors, context, path),
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
         architecture=arch,
         layer_windows=layer_windows,
         **extra,
@@ -259,16 +300,13 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[ModelConfig, dict[str, t
     import gguf
     import torch
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises bare ValueError/struct errors on corrupt files
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}", path=str(path)) from exc
-    rope_tensors = {t.name: _dequantize(gguf, t, path) for t in reader.tensors if t.name in _GGUF_ROPE_TENSORS}
-    config = _gguf_config(reader, path, rope_tensors)
+    metadata, tensors = _read_gguf(path)
+    rope_tensors = {t.name: _dequantize(gguf, t, path) for t in tensors if t.name in _GGUF_ROPE_TENSORS}
+    config = _gguf_config(metadata, {t.name for t in tensors}, path, rope_tensors)
     layer_names = {"gemma3": _GGUF_GEMMA3_LAYER_NAMES, "phi3": _GGUF_PHI3_LAYER_NAMES}.get(
         config.architecture, _GGUF_LAYER_NAMES)
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors:
         if tensor.name in _GGUF_ROPE_TENSORS:
             continue
         name = _hf_name(tensor.name, layer_names)

@@ -1,7 +1,9 @@
-"""GGUF metadata: every key/value pair of a GGUF file's header, read without touching its tensors.
+"""GGUF headers: every key/value pair of a GGUF file, and where each tensor lies, read without touching the
+tensors' data.
 
-Parsed here directly (header and key/value section only): `gguf.GGUFReader` builds a numpy view per array
-element and needs seconds for a 49k-token vocabulary. Little-endian GGUF versions 2 and 3.
+Parsed here directly: `gguf.GGUFReader` builds a numpy view per array element and needs seconds for a
+49k-token vocabulary (the tokenizer and the model loader both read a file's header). Little-endian GGUF
+versions 2 and 3.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +19,7 @@ from gguf.constants import GGUF_MAGIC, GGUFValueType
 
 from dynserve.errors import TokenizerError
 
-__all__ = ["read_gguf_metadata"]
+__all__ = ["GGUFHeader", "GGUFTensorInfo", "read_gguf_header", "read_gguf_metadata"]
 
 _GGUF_SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
@@ -27,11 +30,34 @@ _GGUF_SCALAR_FORMATS = {
 _LENGTH = struct.Struct("<Q")  # a string's length in bytes, in front of it
 
 
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    """One tensor's entry: `dims` in GGUF order (fastest-varying first), its ggml type, and where its data
+    starts, in bytes from the start of the file."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFHeader:
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensorInfo]
+
+
 def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Every key/value pair of a little-endian GGUF (v2 or v3) file; tensors are not touched."""
+    return read_gguf_header(path, with_tensors=False).metadata
+
+
+def read_gguf_header(path: str | os.PathLike[str], with_tensors: bool = True) -> GGUFHeader:
+    """The key/value pairs and (`with_tensors`) the tensors' entries of a GGUF file. TokenizerError when it
+    is not a GGUF file this reads (callers that load weights say so in their own error)."""
     try:
         with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as buffer:
-            magic, version, _num_tensors, num_kvs = struct.unpack_from("<IIQQ", buffer, 0)
+            magic, version, num_tensors, num_kvs = struct.unpack_from("<IIQQ", buffer, 0)
             if magic != GGUF_MAGIC:
                 raise TokenizerError(f"{path} is not a GGUF file (bad magic {magic:#x})")
             if version not in (2, 3):
@@ -42,7 +68,22 @@ def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
                 key, offset = _read_gguf_string(buffer, offset)
                 (value_type,), offset = struct.unpack_from("<I", buffer, offset), offset + 4
                 metadata[key], offset = _read_gguf_value(buffer, offset, value_type)
-            return metadata
+            if not with_tensors:
+                return GGUFHeader(metadata, [])
+            entries = []
+            for _ in range(num_tensors):
+                name, offset = _read_gguf_string(buffer, offset)
+                (num_dims,) = struct.unpack_from("<I", buffer, offset)
+                dims = struct.unpack_from(f"<{num_dims}Q", buffer, offset + 4)
+                offset += 4 + 8 * num_dims
+                ggml_type, data_offset = struct.unpack_from("<IQ", buffer, offset)
+                offset += 12
+                entries.append((name, dims, ggml_type, data_offset))
+            alignment = int(metadata.get("general.alignment", 32))
+            data_start = -(-offset // alignment) * alignment
+            tensors = [GGUFTensorInfo(name, tuple(dims), ggml_type, data_start + data_offset)
+                       for name, dims, ggml_type, data_offset in entries]
+            return GGUFHeader(metadata, tensors)
     except (OSError, ValueError, struct.error) as exc:
         raise TokenizerError(f"cannot read GGUF metadata from {path}: {exc}") from exc
 
