@@ -103,7 +103,7 @@ def test_corrupt_gguf_is_refused(tmp_path: Path) -> None:
 def test_the_header_reader_gives_gguf_readers_tensors_and_refuses_a_truncated_file(tmp_path: Path) -> None:
     """The loader reads a GGUF's header itself (gguf.GGUFReader parses a 49k-token vocabulary for seconds):
     every tensor's name, type, shape and bytes are the ones gguf's reader gives; a file cut short is refused."""
-    from dynserve.engine.loader import _read_gguf
+    from dynserve.engine.loader import _dequantize, _dequantize_simple, _read_gguf
 
     path = resolve_model_path(None)
     metadata, tensors = _read_gguf(path)
@@ -113,6 +113,15 @@ def test_the_header_reader_gives_gguf_readers_tensors_and_refuses_a_truncated_fi
         assert (ours.name, ours.tensor_type, ours.shape.tolist()) == (theirs.name, theirs.tensor_type,
                                                                       theirs.shape.tolist())
         assert np.array_equal(ours.data, theirs.data), ours.name
+    # Q8_0 and Q4_1 (and Q4_0) are dequantized whole-tensor by the loader: bit for bit gguf's reference
+    for kind in ("Q8_0", "Q4_1"):
+        tensor = next(t for t in tensors if t.tensor_type.name == kind)
+        expected = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        assert np.array_equal(_dequantize(gguf, tensor, path), expected.reshape(tuple(reversed(tensor.shape))))
+    rows = np.random.default_rng(0).integers(0, 256, (64, 18), dtype=np.uint8)
+    rows[:, 1] &= 0x3B  # finite f16 scales
+    expected = gguf.quants.dequantize(rows.reshape(-1), gguf.GGMLQuantizationType.Q4_0).reshape(-1)
+    assert np.array_equal(_dequantize_simple(rows, "Q4_0").reshape(-1), expected)
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[: tensors[-1].data.nbytes // 2 + int(path.stat().st_size // 2)])
     with pytest.raises(ModelLoadError, match="cannot read GGUF file .*runs past the end"):
