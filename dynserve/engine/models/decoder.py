@@ -139,9 +139,9 @@ class CausalLM(nn.Module):
                 if attn + "qkv_proj.weight" in state:
                     layer.qkv_proj.copy_(state[attn + "qkv_proj.weight"])
                 else:
-                    layer.qkv_proj.copy_(torch.cat([state[attn + f"{n}_proj.weight"] for n in "qkv"]))
+                    _copy_stacked(layer.qkv_proj, [state[attn + f"{n}_proj.weight"] for n in "qkv"])
                 if cfg.qkv_bias:
-                    layer.qkv_bias.copy_(torch.cat([state[attn + f"{n}_proj.bias"] for n in "qkv"]))
+                    _copy_stacked(layer.qkv_bias, [state[attn + f"{n}_proj.bias"] for n in "qkv"])
                 if cfg.o_bias:
                     layer.o_bias.copy_(state[attn + "o_proj.bias"])
                 if cfg.qk_norm:
@@ -151,7 +151,7 @@ class CausalLM(nn.Module):
                 if mlp + "gate_up_proj.weight" in state:
                     layer.gate_up_proj.copy_(state[mlp + "gate_up_proj.weight"])
                 else:
-                    layer.gate_up_proj.copy_(torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]))
+                    _copy_stacked(layer.gate_up_proj, [state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
                 layer.down_proj.copy_(state[mlp + "down_proj.weight"])
 
     def forward(
@@ -197,3 +197,13 @@ class CausalLM(nn.Module):
                 hidden = hidden + mlp
         last = ops.rms_norm(hidden[logits_indices], self.norm, eps)
         return ops.logits(last, self._lm_head_weight)
+
+
+def _copy_stacked(fused: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """Copy `parts` one under another into `fused` (rows), without building their concatenation first."""
+    if sum(part.shape[0] for part in parts) != fused.shape[0]:
+        raise ValueError(f"parts of {[tuple(p.shape) for p in parts]} do not stack to {tuple(fused.shape)}")
+    row = 0
+    for part in parts:
+        fused[row:row + part.shape[0]].copy_(part)
+        row += part.shape[0]
