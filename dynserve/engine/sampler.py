@@ -81,12 +81,13 @@ def _apply_masks(logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks
     before = logits
     if any(seqs[row].params.logprobs is not None for row in masks.rows):
         before = logits.clone()
-    if logits.device.type == "cpu":
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy, row by row, in place: torch's masked_fill on two threads took 1.5-8 ms for 16 rows of a 49k
+        # vocabulary here (waking its second thread), this 0.1 ms a row on the step's own thread
+        values = logits.numpy()
         forbidden = _forbidden_tokens(masks.bitmask, logits.shape[1])
-        if masks.rows == list(range(logits.shape[0])):  # every row constrained: in place, one pass
-            logits.masked_fill_(forbidden, float("-inf"))
-        else:
-            logits[masks.rows] = logits[masks.rows].masked_fill(forbidden, float("-inf"))
+        for j, row in enumerate(masks.rows):
+            np.add(values[row], _FORBID[forbidden[j]], out=values[row])
         return before
     rows = torch.tensor(masks.rows, device=logits.device)
     bitmask = torch.from_numpy(masks.bitmask).to(logits.device, non_blocking=True)
@@ -95,15 +96,18 @@ def _apply_masks(logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks
     return before
 
 
-def _forbidden_tokens(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
-    """`~allowed_tokens` of a CPU bitmask, unpacked by numpy from the inverted words (a tenth of the time of
-    the shifts over [rows, words, 32] int32 for 16 rows of a 49k vocabulary)."""
+_FORBID = np.array([0.0, float("-inf")], dtype=np.float32)  # added to a logit: by its token's forbidden bit
+
+
+def _forbidden_tokens(bitmask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """uint8 [rows, vocab_size], 1 where `allowed_tokens` is False, unpacked by numpy from the inverted words
+    (0.05 ms for 16 rows of a 49k vocabulary, where the shifts over [rows, words, 32] int32 take 1 ms)."""
     words = np.invert(bitmask).view(np.uint8)
     count = min(vocab_size, words.shape[1] * 8)
     bits = np.unpackbits(words, axis=1, count=count, bitorder="little")
     if count < vocab_size:  # tokens past the bitmask's end are never allowed
         bits = np.pad(bits, ((0, 0), (0, vocab_size - count)), constant_values=1)
-    return torch.from_numpy(bits).view(torch.bool)
+    return bits
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], masks: GrammarMasks | None = None) -> SampleResult:
