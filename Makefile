@@ -4,6 +4,10 @@ PY := $(VENV)/bin/python
 # What `make test-fast` leaves out: every test that needs one of these (markers come from the fixtures a
 # test reaches: tests/conftest.py; docs/testing.md lists them).
 HEAVY := model or ray or fleet or services or netns or install or fuzz or peers or models
+# Python caches each module's bytecode on first import (setup installs with --no-compile): a shell that sets
+# PYTHONDONTWRITEBYTECODE would have every process (each Ray worker, each dynctl) compile ray, torch and
+# dynserve from source again, about 15 s a process start on this machine
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup test test-fast test-peers test-models test-gpu serve bench clean
 
