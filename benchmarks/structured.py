@@ -127,7 +127,7 @@ def measure(engine: LLMEngine, requests: list[Request], concurrency: int, repeat
     rates: dict[str, list[float]] = {"constrained": [], "unconstrained": []}
     invalid: dict[str, str] = {}
     lengths: list[int] = []
-    for _ in range(repeats):
+    for pass_index in range(repeats):
         constrained, constrained_s = run_streams(engine, requests, concurrency)
         free, free_s = run_streams(engine, same_lengths_unconstrained(requests, constrained), concurrency)
         lengths = [len(o.token_ids) for o in constrained]
@@ -136,7 +136,7 @@ def measure(engine: LLMEngine, requests: list[Request], concurrency: int, repeat
         for kind, outcomes, wall_s in (("constrained", constrained, constrained_s), ("unconstrained", free, free_s)):
             tpots[kind].append(percentile([t for o in outcomes if (t := o.tpot_s) is not None], 50) or 0.0)
             rates[kind].append(sum(lengths) / wall_s)
-        invalid.update(_check(requests, constrained))
+        invalid.update({f"pass {pass_index}: {name}": problem for name, problem in _check(requests, constrained).items()})
     tpot_c, tpot_u = min(tpots["constrained"]), min(tpots["unconstrained"])
     return {"concurrency": concurrency, "num_requests": len(requests), "repeats": repeats,
             "num_tokens": sum(lengths), "answer_len_p50_max": [percentile([float(n) for n in lengths], 50), max(lengths)],
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     corpus = load_corpus()
     wide, narrow = select(corpus, args.quick)
     engine = LLMEngine(Settings(dtype=args.dtype, num_threads=args.threads, seed=args.seed))
-    log(f"{'quick' if args.quick else 'full'} run, {args.repeats} passes: {engine.model_id}, {engine.dtype}, {torch.get_num_threads()} "
-        f"threads; c=16 over {len(wide)} schemas, c=1 over {len(narrow)}")
+    log(f"{'quick' if args.quick else 'full'} run, {args.repeats} passes: {engine.model_id}, {engine.dtype}, "
+        f"{torch.get_num_threads()} threads; c=16 over {len(wide)} schemas, c=1 over {len(narrow)}")
     requests = {16: constrained_requests(engine, wide, args.seed), 1: constrained_requests(engine, narrow, args.seed)}
     warm_up(engine, requests[16] + requests[1])
     timings = engine.runner.grammar_masks.timings
