@@ -31,7 +31,11 @@ class Settings(BaseSettings):
                                       hide_input_in_errors=True)
 
     # ---- engine ----
-    model: str | None = Field(None, description="GGUF file or Hugging Face directory; default: bundled SmolLM2")
+    model: str | None = Field(None, description="GGUF file or Hugging Face directory; default: bundled SmolLM2. "
+                              "Given again, the next models to serve (the same as --extra-model)")
+    extra_models: list[str] = Field([], description="dynctl serve: more models to serve beside --model, each with "
+                                    "workers of its own (as many as the worker flags say), its own router and KV "
+                                    "index; requests name the model they want")
     dtype: DType = Field("auto", description="weights and activations dtype; 'auto': bfloat16 on a GPU that has "
                                              "it and on a CPU with AVX512-BF16 (where the engine's bf16 kernels "
                                              "run), float32 elsewhere")

@@ -43,7 +43,10 @@ def add_settings_group(parser: argparse.ArgumentParser, group_name: str, *, only
                                help=help_text)
             continue
         choices = [c for c in get_args(field.annotation) if isinstance(c, str)] or None
-        group.add_argument(*flags, dest=name, default=None, choices=choices, metavar=name.upper(), help=help_text)
+        # --model may be repeated: the first is the model, the others extra_models (see settings_from)
+        action = "append" if name == "model" else "store"
+        group.add_argument(*flags, dest=name, default=None, choices=choices, metavar=name.upper(), help=help_text,
+                           action=action)
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -51,6 +54,11 @@ def settings_from(args: argparse.Namespace) -> Settings:
     names each bad flag."""
     given: dict[str, Any] = {n: getattr(args, n) for n in Settings.model_fields
                              if getattr(args, n, None) is not None}
+    if isinstance(given.get("model"), list):  # --model A --model B: A, then B among the extra models
+        first, *more = given["model"]
+        given["model"] = first
+        if more:
+            given["extra_models"] = [*more, *given.get("extra_models", [])]
     try:
         return Settings(**given)
     except pydantic.ValidationError as exc:

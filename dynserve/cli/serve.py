@@ -92,7 +92,13 @@ async def _first_workers(pools: list[Any]) -> list[Any]:
     return [info for pool in pools for info in pool.workers()]
 
 
-def _banner(settings: Settings, model_id: str, port: int, prometheus_url: str | None = None) -> str:
+def _owned(infos: list[Any], pools: list[tuple[Any, int]]) -> list[tuple[Any, tuple[Any, int]]]:
+    """Each started worker's info with its pool (a worker's id begins with its pool's name)."""
+    by_name = {pool.name: (pool, n) for pool, n in pools}
+    return [(info, by_name[info.worker_id.rsplit("-", 1)[0]]) for info in infos]
+
+
+def _banner(settings: Settings, model_ids: list[str], port: int, prometheus_url: str | None = None) -> str:
     kind = "worker" if settings.mocker is None else "mocker worker"
     if _disaggregated(settings):
         workers = (f"{settings.prefill_workers} prefill + {settings.decode_workers} decode {kind}s, "
@@ -115,8 +121,11 @@ def _banner(settings: Settings, model_id: str, port: int, prometheus_url: str | 
         metrics += (f"Planner: {settings.planner_mode} mode, TTFT {settings.planner_ttft_ms:g} ms, ITL "
                     f"{settings.planner_itl_ms:g} ms, every {settings.planner_interval_s:g} s; its state and "
                     f"overrides: {base}/planner\n")
+    model_id = model_ids[0]
+    if len(model_ids) > 1:  # "serving A, B at URL (each: 2 workers, router kv)"
+        workers = f"each: {workers}"
     return (
-        f"dynserve is serving {model_id} at {base}/v1 ({workers}). Ctrl-C stops it.\n{metrics}"
+        f"dynserve is serving {', '.join(model_ids)} at {base}/v1 ({workers}). Ctrl-C stops it.\n{metrics}"
         f"Try:\n  curl {base}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
         f"    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": "
         f"\"Hello! Who are you?\"}}], \"max_tokens\": 64}}'\n"
@@ -134,14 +143,16 @@ def serve(settings: Settings) -> int:
         from dynserve.cli.planning import planner_settings
 
         settings = planner_settings(settings)
-    model_path = resolve_model_path(settings.model)
-    tokenizer = Tokenizer.load(model_path)  # fails fast on a bad --model, or a tokenizer we cannot match
-    if settings.engine == "dynserve" and settings.mocker is None:
-        check_engine_architecture(model_path)  # before Ray: else every worker would fail to load it
+    tokenizers = []
+    for model in [settings.model, *settings.extra_models]:
+        model_path = resolve_model_path(model)
+        tokenizers.append(Tokenizer.load(model_path))  # fails fast on a bad --model, or a tokenizer we cannot match
+        if settings.engine == "dynserve" and settings.mocker is None:
+            check_engine_architecture(model_path)  # before Ray: else every worker would fail to load it
     settings = with_fleet_token(settings)
     started_ray = start_ray(settings)
     try:
-        uvloop.run(_serve(settings, tokenizer))
+        uvloop.run(_serve(settings, tokenizers))
         print("dynserve: stopped", file=sys.stderr)
         return EXIT_OK
     finally:
@@ -187,16 +198,28 @@ def check_layout(settings: Settings) -> None:
     if _disaggregated(settings) and (settings.prefill_workers < 1 or settings.decode_workers < 1):
         raise InvalidRequestError("disaggregated serving needs at least one prefill and one decode worker "
                                   "(--prefill-workers N --decode-workers M)", param="prefill_workers")
-    several = settings.planner or (settings.prefill_workers + settings.decode_workers if _disaggregated(settings)
-                                   else settings.workers) > 1
+    if settings.extra_models:
+        from dynserve.model.resolve import model_id_of, resolve_model_path
+
+        if settings.planner:
+            raise InvalidRequestError("the planner scales the pools of one model; serve several models without "
+                                      "--planner (each keeps the workers its flags give)", param="planner")
+        ids = [model_id_of(resolve_model_path(m)) for m in [settings.model, *settings.extra_models]]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise InvalidRequestError(f"the model {twice[0]!r} is given twice: each model is served once",
+                                      param="extra_models")
+    several = settings.planner or bool(settings.extra_models) or (
+        settings.prefill_workers + settings.decode_workers if _disaggregated(settings) else settings.workers) > 1
     if settings.worker_metrics_port and settings.ray_address is None and several:
         raise InvalidRequestError("--worker-metrics-port fixes one port for every worker: several workers on "
                                   "this one host would take the same port (leave it at 0: each worker announces "
                                   "its own)", param="worker_metrics_port")
 
 
-async def _serve(settings: Settings, tokenizer: Any) -> None:
-    """The pools of workers, then the gateway following them through the registry, until SIGINT/SIGTERM."""
+async def _serve(settings: Settings, tokenizers: list[Any]) -> None:
+    """The pools of workers (each model's), then the gateway following them through the registry, until
+    SIGINT/SIGTERM."""
     from dynserve.gateway.server import make_gateway_app, serve_app_async
     from dynserve.workers.pool import WorkerPool
 
@@ -204,24 +227,31 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
         layout = [("p", "prefill", settings.prefill_workers), ("d", "decode", settings.decode_workers)]
     else:
         layout = [("w", "both", settings.workers)]
+    models = [settings.model, *settings.extra_models]
     if settings.planner:  # the pools start within the planner's bounds, and the planner takes it from there
         bounds = {"both": (settings.planner_min_workers, settings.planner_max_workers),
                   "prefill": (settings.planner_min_prefill_workers, settings.planner_max_prefill_workers),
                   "decode": (settings.planner_min_decode_workers, settings.planner_max_decode_workers)}
         layout = [(name, role, min(max(n, bounds[role][0]), bounds[role][1])) for name, role, n in layout]
     # several workers on one host share its cores: each gets its part of the threads
-    num_workers = sum(n for _name, _role, n in layout)
+    num_workers = sum(n for _name, _role, n in layout) * len(models)
     threads = settings.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
     # following nodes, a worker has its node to itself and takes the node's CPUs (workers/pool.py)
     worker_settings = settings if settings.pools_follow_nodes else settings.model_copy(update={"num_threads": threads})
-    pools = [(WorkerPool(worker_settings, name=name, role=role), n) for name, role, n in layout]  # type: ignore[arg-type]
+    # the first model's pools are w (or p and d); the next models' m1-w, m2-w, ...
+    pools = [(WorkerPool(worker_settings.model_copy(update={"model": model, "extra_models": []}),
+                         name=name if i == 0 else f"m{i}-{name}", role=role), n)  # type: ignore[arg-type]
+             for i, model in enumerate(models) for name, role, n in layout]
     registry = pools[0][0].registry  # before any worker: the embedded event plane starts on this node
     prometheus: list[Any] = []  # the Prometheus this command runs (--prometheus), once started
     announced: list[asyncio.Task[None]] = []
     planning: Any = None
     try:
         infos = await _start_pools(pools)
-        app = make_gateway_app(settings, infos, tokenizer, registry=registry)
+        by_model = [[info for info, (pool, _n) in _owned(infos, pools) if pool.settings.model == model]
+                    for model in models]
+        app = make_gateway_app(settings, by_model[0], tokenizers[0], registry=registry,
+                               more_models=list(zip(by_model[1:], tokenizers[1:], strict=True)))
         if settings.planner:
             from dynserve.cli.planning import Planning
 
@@ -238,7 +268,8 @@ async def _serve(settings: Settings, tokenizer: Any) -> None:
                           file=sys.stderr, flush=True)
                 else:
                     planning.start(prometheus_url)
-            print(_banner(settings, infos[0].model_id, port, prometheus_url), file=sys.stderr, flush=True)
+            model_ids = [model_infos[0].model_id for model_infos in by_model]
+            print(_banner(settings, model_ids, port, prometheus_url), file=sys.stderr, flush=True)
 
         def on_ready(port: int) -> None:
             announced.append(asyncio.get_running_loop().create_task(announce(port)))

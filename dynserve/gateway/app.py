@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -34,7 +34,7 @@ from dynserve.gateway.schemas import (
     CompletionResponse,
     ErrorResponse,
 )
-from dynserve.gateway.state import GatewayState
+from dynserve.gateway.state import GatewayState, ServedModel
 from dynserve.model.tokenizer import Tokenizer
 
 __all__ = ["Gateway", "build_app", "scrape_targets"]
@@ -59,22 +59,27 @@ class Gateway:
         return self.api.router.lifespan_context(self.api)
 
 
-def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, events: EventPlane | None = None) -> Gateway:
-    """The gateway app; its lifespan connects to the backend's workers and starts polling their loads, and
-    feeds each KV router from `events` (default: the fleet's plane, from `settings`)."""
-    state = GatewayState(settings, backend, tokenizer)
+def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, events: EventPlane | None = None,
+              more_models: Sequence[ServedModel] = ()) -> Gateway:
+    """The gateway app of the default model (`backend`, `tokenizer`) and `more_models`; its lifespan connects
+    to every backend's workers and starts polling their loads, and feeds each KV router from `events`
+    (default: the fleet's plane, from `settings`)."""
+    state = GatewayState(settings, backend, tokenizer, list(more_models))
+    backends = [served.backend for served in state.models.values()]
     if settings.admission_ttft_ms is not None:
         # it starts low and grows while first tokens come in time: a burst at start-up cannot blow the target
         state.admission = Admission(settings.admission_ttft_ms / 1000, max_limit=float(settings.max_queue),
                                     initial_limit=min(4.0, float(settings.max_queue)), clock=time.monotonic)
-    backend.add_observer(state.metrics)
-    pools = backend.pools()
-    if len(pools) > 1:
-        state.metrics.expect_disaggregation()
-    for pool, dispatcher in pools:
-        if dispatcher.router is not None:
-            state.metrics.watch_router(dispatcher.router, pool=pool)
-    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, backend, events),
+    for served in state.models.values():
+        served.backend.add_observer(state.metrics)
+        pools = served.backend.pools()
+        if len(pools) > 1:
+            state.metrics.expect_disaggregation()
+        for pool, dispatcher in pools:
+            if dispatcher.router is not None:  # another model's pools: labelled "<model>/<pool>"
+                label = pool if served.backend is backend else f"{served.model_id}/{pool}"
+                state.metrics.watch_router(dispatcher.router, pool=label)
+    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, backends, events),
                   description="OpenAI-compatible gateway of dynserve")
     install_error_handlers(api)
     _add_ops_routes(api, state, backend)
@@ -83,15 +88,15 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, eve
     return Gateway(state, api)
 
 
-def _lifespan(settings: Settings, backend: Backend,
+def _lifespan(settings: Settings, backends: list[Backend],
               events: EventPlane | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The FastAPI lifespan: connect to the workers, and feed each KV router from the event plane."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await backend.start()
+        await asyncio.gather(*(backend.start() for backend in backends))
         consumers, planes = [], []
-        for _pool, dispatcher in backend.pools():
+        for backend, (_pool, dispatcher) in ((b, p) for b in backends for p in b.pools()):
             if dispatcher.router is not None and dispatcher.router.mode == "kv":
                 from dynserve.events.ray_plane import connect_event_plane
 
@@ -109,7 +114,7 @@ def _lifespan(settings: Settings, backend: Backend,
                 consumer.cancel()
             await asyncio.gather(*consumers, return_exceptions=True)
             await asyncio.gather(*(plane.close() for plane in planes), return_exceptions=True)
-            await backend.stop()
+            await asyncio.gather(*(backend.stop() for backend in backends))
 
     return lifespan
 
@@ -172,17 +177,17 @@ def _add_model_routes(api: FastAPI, state: GatewayState) -> None:
 
     @api.get("/v1/models", dependencies=[Depends(check_api_key)], tags=["openai"])
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(name, served) for name, served in state.models.items()]}
 
     @api.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)], tags=["openai"])
     async def get_model(model_id: str) -> dict[str, Any]:
-        state.check_model(model_id)
-        return _model_card(state)
+        return _model_card(model_id, state.model(model_id))
 
 
-def _model_card(state: GatewayState) -> dict[str, Any]:
-    return {"id": state.model_id, "object": "model", "created": 0, "owned_by": "dynserve",
-            "max_model_len": state.backend.max_model_len}
+def _model_card(name: str, served: ServedModel) -> dict[str, Any]:
+    """OpenAI's model object, with `max_model_len` (as vLLM adds it) and `ready`: a worker of it answers."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "dynserve",
+            "max_model_len": served.backend.max_model_len, "ready": served.is_ready()}
 
 
 # one event of a completion stream (OpenAPI before 3.2 describes a stream's events, one at a time)

@@ -28,13 +28,14 @@ import msgspec
 import pydantic
 
 from dynserve.errors import InvalidRequestError, WorkerUnavailableError
+from dynserve.gateway.dispatcher import Backend
 from dynserve.gateway.errors import ApiError, validation_error
 from dynserve.gateway.http import Exchange
 from dynserve.gateway.metrics import observe_many
 from dynserve.gateway.preprocess import Prepared, prepare_chat, prepare_completion
 from dynserve.gateway.responses import DONE, ChoiceState, ResponseBuilder, sse
 from dynserve.gateway.schemas import ChatCompletionRequest, CompletionRequest
-from dynserve.gateway.state import GatewayState
+from dynserve.gateway.state import GatewayState, ServedModel
 from dynserve.protocol import GenerateRequest, TokenDelta
 
 __all__ = ["COMPLETION_ROUTES", "CompletionRoutes"]
@@ -62,9 +63,10 @@ class CompletionRoutes:
         status = 500
         try:
             self.state.check_api_key(_header(exchange.headers, b"authorization"))
-            if self.state.settings.worker_wait_s > 0 and not self.state.backend.is_ready():
-                self._validate(kind, exchange.body)  # bad input is answered at once, not after the wait
-                await self.state.wait_for_worker()
+            if self.state.settings.worker_wait_s > 0:
+                _request, served = self._validate(kind, exchange.body)  # bad input is answered at once
+                if not served.is_ready():
+                    await self.state.wait_for_worker(served)
             run, stream = self._start(kind, exchange.body)
             status = 200
             if stream:
@@ -83,29 +85,28 @@ class CompletionRoutes:
             metrics = self.state.metrics
             metrics.child(metrics.requests, endpoint, str(status)).inc()
 
-    def _validate(self, kind: Kind, body: bytes) -> ChatCompletionRequest | CompletionRequest:
+    def _validate(self, kind: Kind, body: bytes) -> tuple[ChatCompletionRequest | CompletionRequest, ServedModel]:
         model_cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
         try:
             request = model_cls.model_validate_json(body)
         except pydantic.ValidationError as exc:
             raise validation_error(exc.errors()) from None
-        self.state.check_model(request.model)
-        return request
+        return request, self.state.model(request.model)
 
     def _start(self, kind: Kind, body: bytes) -> tuple[_Run, bool]:
         state = self.state
-        request = self._validate(kind, body)
-        max_len = state.backend.max_model_len
+        request, served = self._validate(kind, body)
+        max_len = served.backend.max_model_len
         if isinstance(request, ChatCompletionRequest):
-            prepared = prepare_chat(request, state.tokenizer, max_len, state.tool_format)
+            prepared = prepare_chat(request, served.tokenizer, max_len, served.tool_format)
         else:
-            prepared = prepare_completion(request, state.tokenizer, max_len)
-        state.admit()
+            prepared = prepare_completion(request, served.tokenizer, max_len)
+        state.admit(served)
         if state.admission is not None and not state.admission.try_admit():
             state.metrics.rejected.labels("overloaded").inc()
             raise ApiError(429, "the server is at capacity for its time-to-first-token target; retry shortly",
                            type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
-        return _Run.create(state, kind, request, prepared), request.stream
+        return _Run.create(state, served, kind, request, prepared), request.stream
 
     async def _send_stream(self, run: _Run, exchange: Exchange) -> None:
         """The head goes out with the first piece, and the stream's end with the last (the one ending in
@@ -151,12 +152,12 @@ class _Run:
     """One HTTP request's choices in flight: fan-out, metrics, and the release of the admission slot."""
 
     @classmethod
-    def create(cls, state: GatewayState, kind: Kind, body: ChatCompletionRequest | CompletionRequest,
-               prepared: Prepared) -> _Run:
+    def create(cls, state: GatewayState, served: ServedModel, kind: Kind,
+               body: ChatCompletionRequest | CompletionRequest, prepared: Prepared) -> _Run:
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         response_id = f"{prefix}-{secrets.token_hex(12)}"
         options = body.stream_options
-        builder = ResponseBuilder(kind, response_id, body.model, state.tokenizer,
+        builder = ResponseBuilder(kind, response_id, body.model, served.tokenizer,
                                   include_usage=bool(options and options.include_usage),
                                   continuous_usage=bool(options and options.continuous_usage_stats),
                                   num_prompts=len(prepared.prompts))
@@ -169,15 +170,16 @@ class _Run:
         limit_s = state.settings.max_generation_s
         if body.max_generation_s is not None:
             limit_s = min(limit_s, body.max_generation_s)
-        run = cls(state, kind, requests, builder, limit_s)
+        run = cls(state, served.backend, kind, requests, builder, limit_s)
         if prepared.tools is not None:
             for choice in run.choices:
                 choice.tool_calls = prepared.tool_call_parser()
         return run
 
-    def __init__(self, state: GatewayState, kind: Kind, requests: list[GenerateRequest],
+    def __init__(self, state: GatewayState, backend: Backend, kind: Kind, requests: list[GenerateRequest],
                  builder: ResponseBuilder, limit_s: float) -> None:
         self.state, self.kind, self.requests, self.builder = state, kind, requests, builder
+        self.backend = backend  # the model's
         self.deadline_s = asyncio.get_running_loop().time() + limit_s
         self.expired = False  # the generation cap was reached
         self._waiting: asyncio.Task[object] | None = None  # the task awaiting the workers' next delta
@@ -266,7 +268,7 @@ class _Run:
             self._waiting.cancel()
 
     async def _worker_deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:
-        backend = self.state.backend
+        backend = self.backend
         if len(self.requests) == 1:
             async with contextlib.aclosing(backend.generate(self.requests[0])) as stream:
                 async for delta in stream:

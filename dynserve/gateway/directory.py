@@ -51,17 +51,19 @@ class WorkerDirectory:
         *,
         registry: EventPlane | None = None,
         roles: frozenset[str] | None = None,
+        model_id: str | None = None,
         channel_factory: Callable[[WorkerInfo], WorkerChannel] = make_channel,
         registry_interval_s: float = 0.25,
         poll_interval_s: float = 0.5,
         registry_grace_s: float = 3.0,
         cluster_token: str | None = None,
     ) -> None:
-        """`roles`: only workers of these roles are members (None: any). `registry_grace_s`: how long members
+        """`roles`: only workers of these roles are members (None: any); `model_id`: only workers serving that
+        model (None: any; a gateway serving several models has a directory per model). `registry_grace_s`: how long members
         that vanished from the registry together stay (Settings.worker_lease_s). `cluster_token` is presented
         to every worker on connecting (Settings.cluster_token)."""
-        self.roles = roles
-        infos = [info for info in infos if roles is None or info.role in roles]
+        self.roles, self.model_id = roles, model_id
+        infos = [info for info in infos if self._admits(info)]
         if not infos and registry is None:
             raise ValueError("a worker directory needs at least one worker or a registry to find them in")
         self.registry = registry
@@ -142,6 +144,9 @@ class WorkerDirectory:
 
     # ---- membership ------------------------------------------------------------------------------------
 
+    def _admits(self, info: WorkerInfo) -> bool:
+        return (self.roles is None or info.role in self.roles) and self.model_id in (None, info.model_id)
+
     async def refresh_members(self) -> None:
         """Bring the members in line with the registry (a no-op without one, or when it cannot be read)."""
         if self.registry is None:
@@ -151,8 +156,7 @@ class WorkerDirectory:
         except Exception as exc:  # keep the members we have: a registry blip must not empty the gateway
             logger.warning("cannot read the worker registry: %s", exc)
             return
-        if self.roles is not None:
-            listed = [info for info in listed if info.role in self.roles]
+        listed = [info for info in listed if self._admits(info)]
         added, removed = membership_changes({w: c.info for w, c in self.channels.items()}, listed)
         listed_ids, now_s = {info.worker_id for info in listed}, time.monotonic()
         missing = [w for w in removed if w not in listed_ids and self.channels[w].is_open]

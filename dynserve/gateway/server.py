@@ -10,7 +10,7 @@ import functools
 import gc
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
@@ -21,6 +21,7 @@ from dynserve.gateway.directory import WorkerDirectory
 from dynserve.gateway.disagg import DisaggregatedBackend
 from dynserve.gateway.dispatcher import Backend, Dispatcher
 from dynserve.gateway.http import HttpLimits, HttpServer
+from dynserve.gateway.state import ServedModel
 from dynserve.hashing import model_salt
 from dynserve.model.resolve import resolve_model_path
 from dynserve.model.tokenizer import Tokenizer
@@ -32,29 +33,37 @@ __all__ = ["GatewayServer", "http_limits", "make_backend", "make_disaggregated_b
 
 
 def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tokenizer | None = None, *,
-                     registry: EventPlane | None = None, events: EventPlane | None = None) -> Gateway:
+                     registry: EventPlane | None = None, events: EventPlane | None = None,
+                     more_models: Sequence[tuple[list[WorkerInfo], Tokenizer]] = ()) -> Gateway:
     """The gateway over workers already started (their `WorkerInfo`s); loads the tokenizer if not given.
     With several workers, requests are routed by `settings.router` (the kv mode reads the event plane).
     With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerDirectory`).
-    `events`: the plane the KV routers read (default: the fleet's, from `settings`)."""
+    `events`: the plane the KV routers read (default: the fleet's, from `settings`). `more_models`: other
+    models' workers and tokenizers; then each model's backend takes only the workers announcing it."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
-    return build_app(settings, make_backend(settings, infos, registry, tokenizer), tokenizer, events=events)
+    model_id = infos[0].model_id if more_models else None
+    served = [ServedModel(model_infos[0].model_id,
+                          make_backend(settings, model_infos, registry, model_tokenizer, model_infos[0].model_id),
+                          model_tokenizer)
+              for model_infos, model_tokenizer in more_models]
+    return build_app(settings, make_backend(settings, infos, registry, tokenizer, model_id), tokenizer,
+                     events=events, more_models=served)
 
 
 def make_backend(settings: Settings, infos: list[WorkerInfo], registry: EventPlane | None = None,
-                 tokenizer: Tokenizer | None = None) -> Backend:
+                 tokenizer: Tokenizer | None = None, model_id: str | None = None) -> Backend:
     """The backend over `infos` (or the registry): disaggregated when `settings.prefill_workers` or a prefill
     worker among `infos` says so (prefill and decode dispatchers, each routed by `settings.router`), else
-    one dispatcher."""
+    one dispatcher. `model_id`: only workers serving it are members (a gateway of several models)."""
     if settings.prefill_workers > 0 or any(info.role == "prefill" for info in infos):
-        return make_disaggregated_backend(settings, infos, registry)
+        return make_disaggregated_backend(settings, infos, registry, model_id)
     router = make_router(settings, infos, dynamic=registry is not None)
-    return Dispatcher(_directory(settings, infos, registry, tokenizer=tokenizer), router=router,
+    return Dispatcher(_directory(settings, infos, registry, tokenizer=tokenizer, model_id=model_id), router=router,
                       migration_limit=settings.migration_limit)
 
 
-def make_disaggregated_backend(settings: Settings, infos: list[WorkerInfo],
-                               registry: EventPlane | None = None) -> DisaggregatedBackend:
+def make_disaggregated_backend(settings: Settings, infos: list[WorkerInfo], registry: EventPlane | None = None,
+                               model_id: str | None = None) -> DisaggregatedBackend:
     """Prefill and decode dispatchers over the workers of those roles among `infos` (or the registry)."""
     if not infos:
         raise ValueError("a disaggregated gateway needs the info of at least one started worker")
@@ -68,17 +77,19 @@ def make_disaggregated_backend(settings: Settings, infos: list[WorkerInfo],
     def router() -> Router:
         return Router.from_settings(settings, block_size=infos[0].block_size, salt=model_salt(infos[0].model_id))
 
-    prefill = Dispatcher(_directory(settings, prefill_infos, registry, frozenset({"prefill"})), router=router(),
-                         migration_limit=settings.migration_limit, pool="prefill")
-    decode = Dispatcher(_directory(settings, decode_infos, registry, frozenset({"decode", "both"})),
+    prefill = Dispatcher(_directory(settings, prefill_infos, registry, frozenset({"prefill"}), model_id=model_id),
+                         router=router(), migration_limit=settings.migration_limit, pool="prefill")
+    decode = Dispatcher(_directory(settings, decode_infos, registry, frozenset({"decode", "both"}), model_id=model_id),
                         router=router(), migration_limit=settings.migration_limit, pool="decode")
     return DisaggregatedBackend(prefill, decode, local_prefill_tokens=settings.disagg_local_prefill_tokens,
                                 max_prefill_queue=settings.disagg_max_prefill_queue)
 
 
 def _directory(settings: Settings, infos: list[WorkerInfo], registry: EventPlane | None,
-               roles: frozenset[str] | None = None, tokenizer: Tokenizer | None = None) -> WorkerDirectory:
-    return WorkerDirectory(infos, registry=registry, roles=roles, registry_interval_s=settings.registry_interval_s,
+               roles: frozenset[str] | None = None, tokenizer: Tokenizer | None = None,
+               model_id: str | None = None) -> WorkerDirectory:
+    return WorkerDirectory(infos, registry=registry, roles=roles, model_id=model_id,
+                           registry_interval_s=settings.registry_interval_s,
                            registry_grace_s=settings.worker_lease_s, cluster_token=settings.secret("cluster_token"),
                            channel_factory=functools.partial(make_channel, tokenizer=tokenizer))
 

@@ -1,5 +1,11 @@
-"""What every route of one gateway shares: `GatewayState` (settings, backend, tokenizer, metrics, the
-admission count), with the checks made before a request runs (API key, model, readiness, queue)."""
+"""What every route of one gateway shares: `GatewayState` (settings, the models it serves, metrics, the
+admission count), with the checks made before a request runs (API key, model, readiness, queue).
+
+A gateway serves one model or several. Each is a `ServedModel`: the names clients ask for it by, its
+tokenizer and tool-call format, and its own backend (pools, router and KV index over the workers that serve
+that model), so routing, cache hits and load never cross models. The first model is the default one (the
+ops routes and the planner's wake-up speak of it).
+"""
 
 from __future__ import annotations
 
@@ -17,28 +23,63 @@ from dynserve.gateway.metrics import GatewayMetrics
 from dynserve.gateway.tool_formats import ToolFormat, select_tool_format
 from dynserve.model.tokenizer import Tokenizer
 
-__all__ = ["GatewayState"]
+__all__ = ["GatewayState", "ServedModel"]
+
+
+@dataclass(slots=True)
+class ServedModel:
+    """One model: its id (what its workers announce), its tokenizer, its backend; `tool_format` is set by the
+    gateway's `Settings.tool_call_parser` when none is given."""
+
+    model_id: str
+    backend: Backend
+    tokenizer: Tokenizer
+    tool_format: ToolFormat | None = None
+
+    def is_ready(self) -> bool:
+        return self.backend.is_ready()
 
 
 @dataclass(slots=True)
 class GatewayState:
     settings: Settings
-    backend: Backend
-    tokenizer: Tokenizer
+    backend: Backend  # the default model's
+    tokenizer: Tokenizer  # the default model's
+    more_models: list[ServedModel] = field(default_factory=list)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     num_inflight: int = 0
     # called when a request starts waiting for a worker (`Settings.worker_wait_s`): a planner's wake-up
     on_waiting_for_worker: Callable[[], None] | None = None
     num_waiting_for_worker: int = 0
     admission: Admission | None = None  # with Settings.admission_ttft_ms: the TTFT-keeping admission limit
-    tool_format: ToolFormat = field(init=False)  # how the model writes tool calls (Settings.tool_call_parser)
+    models: dict[str, ServedModel] = field(init=False)  # by the name a client sends, the default first
 
     def __post_init__(self) -> None:
-        self.tool_format = select_tool_format(self.tokenizer, self.settings.tool_call_parser)
+        self.models = {}
+        for served in [ServedModel(self.backend.model_id, self.backend, self.tokenizer), *self.more_models]:
+            if served.model_id in self.models:
+                raise ValueError(f"the model {served.model_id!r} is served twice")
+            if served.tool_format is None:
+                served.tool_format = select_tool_format(served.tokenizer, self.settings.tool_call_parser)
+            self.models[served.model_id] = served
 
     @property
     def model_id(self) -> str:
         return self.backend.model_id
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The default model's tool-call format."""
+        return self.models[self.model_id].tool_format  # type: ignore[return-value]
+
+    def model(self, name: str) -> ServedModel:
+        """The model a request names; ApiError 404 `model_not_found` naming those served."""
+        served = self.models.get(name)
+        if served is None:
+            names = ", ".join(f"`{n}`" for n in self.models)
+            raise ApiError(404, f"The model `{name}` does not exist. This server serves {names}.",
+                           param="model", code="model_not_found")
+        return served
 
     def check_api_key(self, authorization: str | None) -> None:
         """Raise ApiError 401 unless `authorization` is 'Bearer <api_key>' (compared in constant time) or no
@@ -52,15 +93,15 @@ class GatewayState:
                            code="invalid_api_key")
 
     def check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise ApiError(404, f"The model `{model}` does not exist. This server serves `{self.model_id}`.",
-                           param="model", code="model_not_found")
+        self.model(model)
 
-    async def wait_for_worker(self) -> None:
-        """While no worker is ready, hold for one up to `worker_wait_s` (a fleet scaling up from zero), so the
-        request is served rather than refused; counted in `dynserve_gateway_waiting_for_worker_requests`."""
+    async def wait_for_worker(self, served: ServedModel | None = None) -> None:
+        """While no worker of `served` (default: the default model) is ready, hold for one up to
+        `worker_wait_s` (a fleet scaling up from zero), so the request is served rather than refused; counted
+        in `dynserve_gateway_waiting_for_worker_requests`."""
+        backend = self.backend if served is None else served.backend
         wait_s = self.settings.worker_wait_s
-        if wait_s <= 0 or self.backend.is_ready():
+        if wait_s <= 0 or backend.is_ready():
             return
         gauge = self.metrics.waiting_for_worker
         gauge.inc()
@@ -69,14 +110,14 @@ class GatewayState:
             if self.on_waiting_for_worker is not None:
                 self.on_waiting_for_worker()
             deadline_s = time.monotonic() + wait_s
-            while not self.backend.is_ready() and time.monotonic() < deadline_s:
+            while not backend.is_ready() and time.monotonic() < deadline_s:
                 await asyncio.sleep(0.05)
         finally:
             gauge.dec()
             self.num_waiting_for_worker -= 1
 
-    def admit(self) -> None:
-        if not self.backend.is_ready():
+    def admit(self, served: ServedModel | None = None) -> None:
+        if not (self.backend if served is None else served.backend).is_ready():
             self.metrics.rejected.labels("not_ready").inc()
             raise ApiError.unavailable("no worker is ready yet; retry shortly", retry_after_s=2)
         if self.num_inflight >= self.settings.max_queue:

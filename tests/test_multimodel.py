@@ -1,0 +1,104 @@
+"""Several models behind one gateway: each answers under its own name, with its own workers, router and cache.
+
+The fleet is a real `dynctl serve` of two real models (the default SmolLM2 and a tiny random-weight Llama from
+tests/_tiny_models.py, which has no chat template, so it is asked for text completions), one worker each.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from _tiny_models import tiny_model
+from conftest import REPO, default_model_path
+
+SMOL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def two_models(dynctl_serve: Any, dynctl: str) -> Any:
+    tiny = tiny_model("llama", "hf")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    argv = [dynctl, "serve", "--model", str(default_model_path()), "--model", str(tiny), "--port", "0",
+            "--kv-blocks", "256"]
+    with dynctl_serve(argv, 180, env) as served:
+        yield served, tiny.name
+    assert served.code == 0 and "stopped" in served.rest
+
+
+def test_each_model_answers_under_its_own_name_streamed_and_not(two_models: Any) -> None:
+    served, tiny = two_models
+    assert f"serving {SMOL}, {tiny} at" in served.banner and "each: 1 worker" in served.banner
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused")
+    listed = {m.id: m for m in client.models.list().data}
+    assert set(listed) == {SMOL, tiny} and all(m.model_extra["ready"] for m in listed.values())
+    assert listed[tiny].model_extra["max_model_len"] != listed[SMOL].model_extra["max_model_len"]
+
+    chat = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=6, temperature=0)
+    assert chat.model == SMOL and chat.choices[0].message.content and chat.usage.completion_tokens <= 6
+    text = client.completions.create(model=tiny, prompt="one two three", max_tokens=5, temperature=0)
+    assert text.model == tiny and text.usage.completion_tokens == 5
+    pieces = [c.choices[0].text for c in client.completions.create(model=tiny, prompt="one two three", max_tokens=5,
+                                                                   temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == text.choices[0].text  # greedy: the same text, streamed
+    # the tiny model has no chat template: its own refusal, not the default model's answer
+    with pytest.raises(openai.BadRequestError, match="no chat template"):
+        client.chat.completions.create(model=tiny, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+
+def test_no_cache_hit_crosses_models(two_models: Any) -> None:
+    served, tiny = two_models
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused")
+    prompt = "A long shared prefix, long enough to fill several KV blocks of sixteen tokens each: " * 3
+    for expected_cached in (False, True):
+        first = client.completions.create(model=SMOL, prompt=prompt, max_tokens=1, temperature=0)
+        assert (first.usage.prompt_tokens_details.cached_tokens > 0) == expected_cached
+    other = client.completions.create(model=tiny, prompt=prompt, max_tokens=1, temperature=0)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # the same token ids, another model's cache
+
+
+def test_an_unknown_model_is_a_404_naming_those_served(two_models: Any) -> None:
+    served, tiny = two_models
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.Client(base_url=f"http://127.0.0.1:{served.port}") as http:
+        http.post("/v1/chat/completions", json=body)  # a warm connection
+        start_s = time.perf_counter()
+        answer = http.post("/v1/chat/completions", json=body)
+        elapsed_s = time.perf_counter() - start_s
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+    assert SMOL in answer.json()["error"]["message"] and tiny in answer.json()["error"]["message"]
+    assert elapsed_s < 0.1  # a round trip on loopback: nothing waits for a worker
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--planner"], "the planner scales the pools of one model"),
+    ([], "is given twice"),
+])
+def test_serve_refuses_what_several_models_cannot_do_before_ray_starts(extra: list[str], words: str) -> None:
+    dynctl = str(Path(sys.executable).parent / "dynctl")
+    model = str(default_model_path())
+    second = model if words == "is given twice" else str(tiny_model("llama", "hf"))
+    done = subprocess.run([dynctl, "serve", "--model", model, "--model", second, "--mocker", "cpu", *extra],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and words in done.stderr, done.stderr
+
+
+def test_model_given_twice_on_the_command_line_is_the_model_then_the_extra_models() -> None:
+    import argparse
+
+    from dynserve.cli.options import add_settings_group, settings_from
+
+    parser = argparse.ArgumentParser()
+    add_settings_group(parser, "engine")
+    add_settings_group(parser, "cluster")
+    settings = settings_from(parser.parse_args(["--model", "a.gguf", "--model", "b", "--extra-model", "c"]))
+    assert (settings.model, settings.extra_models) == ("a.gguf", ["b", "c"])
+    assert settings_from(parser.parse_args(["--model", "a.gguf"])).extra_models == []
