@@ -260,6 +260,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True, frozen=True):
     # what serves it: dynserve's engine (`host:port` is its channel), `vllm` or `openai` (`host:port` is the
     # server's OpenAI HTTP API; `metrics_port` its own port too)
     engine: str = "dynserve"
+    # the model's file or directory on the worker's host (dynserve's workers): a gateway that finds a model it
+    # does not serve yet reads its tokenizer there
+    model_path: str | None = None
 
 
 class RequestTiming(msgspec.Struct, kw_only=True, frozen=True):

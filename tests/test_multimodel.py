@@ -1,7 +1,8 @@
 """Several models behind one gateway: each answers under its own name, with its own workers, router and cache.
 
 The fleet is a real `dynctl serve` of two real models (the default SmolLM2 and a tiny random-weight Llama from
-tests/_tiny_models.py, which has no chat template, so it is asked for text completions), one worker each.
+tests/_tiny_models.py, which has no chat template, so it is asked for text completions), one worker each, its
+registry and KV events on a real Redis, where a standalone `dynctl mocker` of a third model joins and leaves.
 """
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ import httpx
 import openai
 import pytest
 from _tiny_models import tiny_model
-from conftest import REPO, default_model_path
+from conftest import REPO, default_model_path, stop_by_sigint, wait_for_line
 
 SMOL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def two_models(dynctl_serve: Any, dynctl: str) -> Any:
+def two_models(dynctl_serve: Any, dynctl: str, redis_url: str) -> Any:
     tiny = tiny_model("llama", "hf")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     argv = [dynctl, "serve", "--model", str(default_model_path()), "--model", str(tiny), "--port", "0",
-            "--kv-blocks", "256"]
+            "--kv-blocks", "256", "--redis-url", redis_url]
     with dynctl_serve(argv, 180, env) as served:
         yield served, tiny.name
     assert served.code == 0 and "stopped" in served.rest
@@ -76,6 +77,38 @@ def test_an_unknown_model_is_a_404_naming_those_served(two_models: Any) -> None:
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
     assert SMOL in answer.json()["error"]["message"] and tiny in answer.json()["error"]["message"]
     assert elapsed_s < 0.1  # a round trip on loopback: nothing waits for a worker
+
+
+def test_a_model_whose_worker_joins_is_served_within_a_second_and_leaves_with_it(two_models: Any,
+                                                                                   redis_url: str) -> None:
+    served, _tiny = two_models
+    third = tiny_model("qwen3", "hf")
+    dynctl = str(Path(sys.executable).parent / "dynctl")
+    mocker = subprocess.Popen([dynctl, "mocker", "--model", str(third), "--redis-url", redis_url, "--http-port", "0",
+                               "--speedup", "10"], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+    with httpx.Client(base_url=f"http://127.0.0.1:{served.port}", timeout=30) as http:
+        def listed() -> dict[str, bool]:
+            return {m["id"]: m["ready"] for m in http.get("/v1/models").json()["data"]}
+
+        try:
+            wait_for_line(mocker, "is serving", 90)  # registered before its banner
+            joined_s = time.monotonic()
+            while third.name not in listed():
+                assert time.monotonic() - joined_s < 1.0, listed()
+                time.sleep(0.05)
+            answer = http.post("/v1/completions", json={"model": third.name, "prompt": "one two", "max_tokens": 4})
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+        finally:
+            code, _rest = stop_by_sigint(mocker)
+        assert code == 0
+        left_s = time.monotonic()
+        while third.name in listed():
+            assert time.monotonic() - left_s < 10, listed()
+            time.sleep(0.1)
+        assert set(listed()) == {SMOL, _tiny}
+        gone = http.post("/v1/completions", json={"model": third.name, "prompt": "one", "max_tokens": 1})
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
 
 @pytest.mark.parametrize(("extra", "words"), [

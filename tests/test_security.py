@@ -137,18 +137,27 @@ def test_a_local_fleet_gets_a_random_token_and_a_joined_cluster_keeps_its_own() 
     assert with_fleet_token(Settings(ray_address="10.0.0.1:6379")).cluster_token is None
 
 
-def test_api_keys_of_the_same_length_are_refused() -> None:
+class _NoWorkers:
+    """A stand-in for the gateway's backend (the key check reads none of it): a model id, observers ignored."""
+
+    model_id = "m"
+
+    def add_observer(self, observer: Any) -> None:
+        pass
+
+
+def test_api_keys_of_the_same_length_are_refused(tokenizer: Any) -> None:
     from dynserve.gateway.state import GatewayState
     from dynserve.gateway.errors import ApiError
 
-    state = GatewayState(Settings(api_key=KEY), cast(Any, None), cast(Any, None))
+    state = GatewayState(Settings(api_key=KEY), cast(Any, _NoWorkers()), tokenizer)
     state.check_api_key(f"Bearer {KEY}")
     state.check_api_key(f"bearer {KEY}")
     for header in (f"Bearer {WRONG_KEY}", f"Bearer {KEY[:-1]}", f"Bearer {KEY}x", f"Basic {KEY}", KEY, "", None):
         with pytest.raises(ApiError) as caught:
             state.check_api_key(header)
         assert (caught.value.status, caught.value.code) == (401, "invalid_api_key"), header
-    GatewayState(Settings(), cast(Any, None), cast(Any, None)).check_api_key(None)  # no key: open
+    GatewayState(Settings(), cast(Any, _NoWorkers()), tokenizer).check_api_key(None)  # no key: open
 
 
 # ---- the worker channel -------------------------------------------------------------------------------------

@@ -9,8 +9,9 @@ completion routes too, from the same pydantic schemas that validate them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -24,6 +25,7 @@ from dynserve.events.base import EventPlane
 from dynserve.gateway.admission import Admission
 from dynserve.gateway.asgi import AsgiHandler
 from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes
+from dynserve.gateway.discovery import MakeServed, ModelDiscovery
 from dynserve.gateway.dispatcher import Backend
 from dynserve.gateway.errors import ApiError, install_error_handlers
 from dynserve.gateway.http import Exchange
@@ -60,10 +62,12 @@ class Gateway:
 
 
 def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, events: EventPlane | None = None,
-              more_models: Sequence[ServedModel] = ()) -> Gateway:
+              more_models: Sequence[ServedModel] = (), registry: EventPlane | None = None,
+              make_served: MakeServed | None = None) -> Gateway:
     """The gateway app of the default model (`backend`, `tokenizer`) and `more_models`; its lifespan connects
     to every backend's workers and starts polling their loads, and feeds each KV router from `events`
-    (default: the fleet's plane, from `settings`)."""
+    (default: the fleet's plane, from `settings`). With a `registry` and `make_served`, models its workers
+    announce are added as they appear (`discovery.ModelDiscovery`)."""
     state = GatewayState(settings, backend, tokenizer, list(more_models))
     backends = [served.backend for served in state.models.values()]
     if settings.admission_ttft_ms is not None:
@@ -71,7 +75,6 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, eve
         state.admission = Admission(settings.admission_ttft_ms / 1000, max_limit=float(settings.max_queue),
                                     initial_limit=min(4.0, float(settings.max_queue)), clock=time.monotonic)
     for served in state.models.values():
-        served.backend.add_observer(state.metrics)
         pools = served.backend.pools()
         if len(pools) > 1:
             state.metrics.expect_disaggregation()
@@ -79,7 +82,12 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, eve
             if dispatcher.router is not None:  # another model's pools: labelled "<model>/<pool>"
                 label = pool if served.backend is backend else f"{served.model_id}/{pool}"
                 state.metrics.watch_router(dispatcher.router, pool=label)
-    api = FastAPI(title="dynserve", version=dynserve.__version__, lifespan=_lifespan(settings, backends, events),
+    discovery = None
+    if registry is not None and make_served is not None:
+        discovery = ModelDiscovery(state, registry, make_served, functools.partial(_attach, settings, state, events),
+                                   interval_s=settings.registry_interval_s, grace_s=settings.worker_lease_s)
+    api = FastAPI(title="dynserve", version=dynserve.__version__,
+                  lifespan=_lifespan(settings, backends, events, discovery),
                   description="OpenAI-compatible gateway of dynserve")
     install_error_handlers(api)
     _add_ops_routes(api, state, backend)
@@ -88,35 +96,62 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, eve
     return Gateway(state, api)
 
 
-def _lifespan(settings: Settings, backends: list[Backend],
-              events: EventPlane | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
-    """The FastAPI lifespan: connect to the workers, and feed each KV router from the event plane."""
+def _lifespan(settings: Settings, backends: list[Backend], events: EventPlane | None,
+              discovery: ModelDiscovery | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The FastAPI lifespan: connect to the workers, feed each KV router from the event plane, and follow the
+    registry for new models."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await asyncio.gather(*(backend.start() for backend in backends))
-        consumers, planes = [], []
-        for backend, (_pool, dispatcher) in ((b, p) for b in backends for p in b.pools()):
-            if dispatcher.router is not None and dispatcher.router.mode == "kv":
-                from dynserve.events.ray_plane import connect_event_plane
-
-                if events is not None:
-                    plane = events
-                else:
-                    planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace,
-                                                               cluster_token=settings.secret("cluster_token")))
-                consumers.append(asyncio.create_task(dispatcher.router.consume(plane, backend.snapshot),
-                                                     name="kv-events"))
+        stops = [_consume_kv_events(settings, backend, events) for backend in backends]
+        following = asyncio.create_task(discovery.run(), name="model-discovery") if discovery else None
         try:
             yield
         finally:
-            for consumer in consumers:
-                consumer.cancel()
-            await asyncio.gather(*consumers, return_exceptions=True)
-            await asyncio.gather(*(plane.close() for plane in planes), return_exceptions=True)
+            if following is not None:
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+                await discovery.close()  # type: ignore[union-attr]
+            await asyncio.gather(*(stop() for stop in stops))
             await asyncio.gather(*(backend.stop() for backend in backends))
 
     return lifespan
+
+
+def _consume_kv_events(settings: Settings, backend: Backend,
+                       events: EventPlane | None) -> Callable[[], Awaitable[None]]:
+    """Feed each of `backend`'s KV routers from `events` (default: a connection to the fleet's plane); returns
+    what stops them."""
+    consumers, planes = [], []
+    for _pool, dispatcher in backend.pools():
+        if dispatcher.router is not None and dispatcher.router.mode == "kv":
+            from dynserve.events.ray_plane import connect_event_plane
+
+            if events is not None:
+                plane = events
+            else:
+                planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace,
+                                                           cluster_token=settings.secret("cluster_token")))
+            consumers.append(asyncio.create_task(dispatcher.router.consume(plane, backend.snapshot),
+                                                 name="kv-events"))
+
+    async def stop() -> None:
+        for consumer in consumers:
+            consumer.cancel()
+        await asyncio.gather(*consumers, return_exceptions=True)
+        await asyncio.gather(*(plane.close() for plane in planes), return_exceptions=True)
+
+    return stop
+
+
+async def _attach(settings: Settings, state: GatewayState, events: EventPlane | None,
+                  served: ServedModel) -> Callable[[], Awaitable[None]]:
+    """A discovered model's routers: its metrics (pools labelled "<model>/<pool>") and its KV events."""
+    for pool, dispatcher in served.backend.pools():
+        if dispatcher.router is not None:
+            state.metrics.watch_router(dispatcher.router, pool=f"{served.model_id}/{pool}")
+    return _consume_kv_events(settings, served.backend, events)
 
 
 def _add_ops_routes(api: FastAPI, state: GatewayState, backend: Backend) -> None:

@@ -39,15 +39,27 @@ def make_gateway_app(settings: Settings, infos: list[WorkerInfo], tokenizer: Tok
     With several workers, requests are routed by `settings.router` (the kv mode reads the event plane).
     With a `registry`, the workers are those it lists, followed as they come and go (see `WorkerDirectory`).
     `events`: the plane the KV routers read (default: the fleet's, from `settings`). `more_models`: other
-    models' workers and tokenizers; then each model's backend takes only the workers announcing it."""
+    models' workers and tokenizers. With several models, or a registry (where workers of another model may
+    appear: they add that model, `discovery.ModelDiscovery`), each model's backend takes only the workers
+    announcing it."""
     tokenizer = tokenizer or Tokenizer.load(resolve_model_path(settings.model))
-    model_id = infos[0].model_id if more_models else None
+    model_id = infos[0].model_id if (more_models or registry is not None) and infos else None
     served = [ServedModel(model_infos[0].model_id,
                           make_backend(settings, model_infos, registry, model_tokenizer, model_infos[0].model_id),
                           model_tokenizer)
               for model_infos, model_tokenizer in more_models]
+
+    async def make_served(model_infos: list[WorkerInfo]) -> ServedModel:
+        """A model the registry announced: its tokenizer from the path its workers gave, a backend of its own."""
+        path = model_infos[0].model_path
+        assert path is not None
+        model_tokenizer = await asyncio.to_thread(Tokenizer.load, path)
+        backend = make_backend(settings, model_infos, registry, model_tokenizer, model_infos[0].model_id)
+        return ServedModel(model_infos[0].model_id, backend, model_tokenizer)
+
     return build_app(settings, make_backend(settings, infos, registry, tokenizer, model_id), tokenizer,
-                     events=events, more_models=served)
+                     events=events, more_models=served, registry=registry,
+                     make_served=make_served if registry is not None and model_id is not None else None)
 
 
 def make_backend(settings: Settings, infos: list[WorkerInfo], registry: EventPlane | None = None,

@@ -57,11 +57,22 @@ class GatewayState:
     def __post_init__(self) -> None:
         self.models = {}
         for served in [ServedModel(self.backend.model_id, self.backend, self.tokenizer), *self.more_models]:
-            if served.model_id in self.models:
-                raise ValueError(f"the model {served.model_id!r} is served twice")
-            if served.tool_format is None:
-                served.tool_format = select_tool_format(served.tokenizer, self.settings.tool_call_parser)
-            self.models[served.model_id] = served
+            self.add_model(served)
+
+    def add_model(self, served: ServedModel) -> None:
+        """Serve one more model from now on (its backend's observer: the metrics)."""
+        if served.model_id in self.models:
+            raise ValueError(f"the model {served.model_id!r} is served twice")
+        if served.tool_format is None:
+            served.tool_format = select_tool_format(served.tokenizer, self.settings.tool_call_parser)
+        served.backend.add_observer(self.metrics)
+        self.models[served.model_id] = served
+
+    def remove_model(self, model_id: str) -> ServedModel:
+        """Stop serving a model that is not the default one; its requests in flight finish on its backend."""
+        if model_id == self.model_id:
+            raise ValueError("the default model is always served")
+        return self.models.pop(model_id)
 
     @property
     def model_id(self) -> str:

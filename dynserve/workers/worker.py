@@ -38,6 +38,7 @@ import msgspec
 from dynserve.config import Settings
 from dynserve.errors import ChannelError
 from dynserve.framing import accept_hello, encode_frame, keep_alive, read_frame
+from dynserve.model.resolve import resolve_model_path
 from dynserve.protocol import (
     AbortRequest,
     ClientFrame,
@@ -169,7 +170,7 @@ class EngineWorker:
             num_blocks=self.engine.block_manager.num_blocks,
             kv_agent=(self._transfer.metadata() if self._transfer is not None and self.role == "prefill"
                       else None),
-            metrics_port=metrics_port,
+            metrics_port=metrics_port, model_path=str(resolve_model_path(self._settings.model)),
         )
         logger.info("worker %s (%s) serving %s on %s:%d (metrics: %s)", self.worker_id, self.role,
                     self.engine.model_id, self.host, port, metrics_port)
