@@ -100,6 +100,10 @@ class Settings(BaseSettings):
         None, gt=0, description="keep the time to first token of admitted requests at this target under any load: "
         "an adaptive number of requests may wait for their first token, the excess gets 429 with Retry-After at "
         "once (default: off; only max_queue bounds what is admitted)", json_schema_extra=_GATEWAY)
+    served_model_names: list[str] = Field([], description="other names clients may ask for a model by: NAME "
+                                          "(the first --model), or NAME=MODEL_ID (any model served; its id is "
+                                          "its file's name up to the first dot, or its directory's name)",
+                                          json_schema_extra=_GATEWAY)
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
         "auto", description="how the model writes tool calls: hermes (<tool_call> JSON: Qwen, Hermes), llama3_json "
         "(Llama 3.1-3.3's JSON call), mistral ([TOOL_CALLS] list); auto: from the model's chat template and "

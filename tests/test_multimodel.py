@@ -28,7 +28,8 @@ def two_models(dynctl_serve: Any, dynctl: str, redis_url: str) -> Any:
     tiny = tiny_model("llama", "hf")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     argv = [dynctl, "serve", "--model", str(default_model_path()), "--model", str(tiny), "--port", "0",
-            "--kv-blocks", "256", "--redis-url", redis_url]
+            "--kv-blocks", "256", "--redis-url", redis_url, "--served-model-name", "smol",
+            "--served-model-name", f"tiny={tiny.name}"]
     with dynctl_serve(argv, 180, env) as served:
         yield served, tiny.name
     assert served.code == 0 and "stopped" in served.rest
@@ -39,8 +40,12 @@ def test_each_model_answers_under_its_own_name_streamed_and_not(two_models: Any)
     assert f"serving {SMOL}, {tiny} at" in served.banner and "each: 1 worker" in served.banner
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="unused")
     listed = {m.id: m for m in client.models.list().data}
-    assert set(listed) == {SMOL, tiny} and all(m.model_extra["ready"] for m in listed.values())
+    assert {name: m.model_extra["root"] for name, m in listed.items()} == {
+        SMOL: SMOL, "smol": SMOL, tiny: tiny, "tiny": tiny}  # each model's id and its alias
+    assert all(m.model_extra["ready"] for m in listed.values())
     assert listed[tiny].model_extra["max_model_len"] != listed[SMOL].model_extra["max_model_len"]
+    by_alias = client.completions.create(model="tiny", prompt="one two three", max_tokens=5, temperature=0)
+    assert by_alias.model == "tiny"
 
     chat = client.chat.completions.create(model=SMOL, messages=[{"role": "user", "content": "Say hi."}],
                                           max_tokens=6, temperature=0)
@@ -49,7 +54,7 @@ def test_each_model_answers_under_its_own_name_streamed_and_not(two_models: Any)
     assert text.model == tiny and text.usage.completion_tokens == 5
     pieces = [c.choices[0].text for c in client.completions.create(model=tiny, prompt="one two three", max_tokens=5,
                                                                    temperature=0, stream=True) if c.choices]
-    assert "".join(pieces) == text.choices[0].text  # greedy: the same text, streamed
+    assert "".join(pieces) == text.choices[0].text == by_alias.choices[0].text  # greedy: the same text
     # the tiny model has no chat template: its own refusal, not the default model's answer
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         client.chat.completions.create(model=tiny, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
@@ -106,7 +111,7 @@ def test_a_model_whose_worker_joins_is_served_within_a_second_and_leaves_with_it
         while third.name in listed():
             assert time.monotonic() - left_s < 10, listed()
             time.sleep(0.1)
-        assert set(listed()) == {SMOL, _tiny}
+        assert set(listed()) == {SMOL, _tiny, "smol", "tiny"}
         gone = http.post("/v1/completions", json={"model": third.name, "prompt": "one", "max_tokens": 1})
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 

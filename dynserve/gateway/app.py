@@ -212,7 +212,7 @@ def _add_model_routes(api: FastAPI, state: GatewayState) -> None:
 
     @api.get("/v1/models", dependencies=[Depends(check_api_key)], tags=["openai"])
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(name, served) for name, served in state.models.items()]}
+        return {"object": "list", "data": [_model_card(name, served) for name, served in state.names.items()]}
 
     @api.get("/v1/models/{model_id:path}", dependencies=[Depends(check_api_key)], tags=["openai"])
     async def get_model(model_id: str) -> dict[str, Any]:
@@ -220,8 +220,9 @@ def _add_model_routes(api: FastAPI, state: GatewayState) -> None:
 
 
 def _model_card(name: str, served: ServedModel) -> dict[str, Any]:
-    """OpenAI's model object, with `max_model_len` (as vLLM adds it) and `ready`: a worker of it answers."""
-    return {"id": name, "object": "model", "created": 0, "owned_by": "dynserve",
+    """OpenAI's model object, with `root` (the model a name stands for) and `max_model_len`, as vLLM adds
+    them, and `ready`: a worker of it answers."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "dynserve", "root": served.model_id,
             "max_model_len": served.backend.max_model_len, "ready": served.is_ready()}
 
 

@@ -52,27 +52,43 @@ class GatewayState:
     on_waiting_for_worker: Callable[[], None] | None = None
     num_waiting_for_worker: int = 0
     admission: Admission | None = None  # with Settings.admission_ttft_ms: the TTFT-keeping admission limit
-    models: dict[str, ServedModel] = field(init=False)  # by the name a client sends, the default first
+    models: dict[str, ServedModel] = field(init=False)  # by id, the default first
+    names: dict[str, ServedModel] = field(init=False)  # by every name a client may send: ids and aliases
 
     def __post_init__(self) -> None:
-        self.models = {}
+        self.models, self.names = {}, {}
         for served in [ServedModel(self.backend.model_id, self.backend, self.tokenizer), *self.more_models]:
             self.add_model(served)
 
+    def aliases(self, model_id: str) -> list[str]:
+        """The other names `Settings.served_model_names` gives a model: `NAME` the default one, `NAME=ID` any."""
+        out = []
+        for entry in self.settings.served_model_names:
+            name, _, target = entry.partition("=")
+            if (target or self.backend.model_id) == model_id:
+                out.append(name)
+        return out
+
     def add_model(self, served: ServedModel) -> None:
-        """Serve one more model from now on (its backend's observer: the metrics)."""
-        if served.model_id in self.models:
-            raise ValueError(f"the model {served.model_id!r} is served twice")
+        """Serve one more model from now on, under its id and aliases (its backend's observer: the metrics)."""
+        names = [served.model_id, *self.aliases(served.model_id)]
+        taken = [name for name in names if name in self.names]
+        if taken:
+            raise ValueError(f"the name {taken[0]!r} is given to two models")
         if served.tool_format is None:
             served.tool_format = select_tool_format(served.tokenizer, self.settings.tool_call_parser)
         served.backend.add_observer(self.metrics)
         self.models[served.model_id] = served
+        self.names.update(dict.fromkeys(names, served))
 
     def remove_model(self, model_id: str) -> ServedModel:
         """Stop serving a model that is not the default one; its requests in flight finish on its backend."""
         if model_id == self.model_id:
             raise ValueError("the default model is always served")
-        return self.models.pop(model_id)
+        served = self.models.pop(model_id)
+        for name in [name for name, other in self.names.items() if other is served]:
+            del self.names[name]
+        return served
 
     @property
     def model_id(self) -> str:
@@ -85,9 +101,9 @@ class GatewayState:
 
     def model(self, name: str) -> ServedModel:
         """The model a request names; ApiError 404 `model_not_found` naming those served."""
-        served = self.models.get(name)
+        served = self.names.get(name)
         if served is None:
-            names = ", ".join(f"`{n}`" for n in self.models)
+            names = ", ".join(f"`{n}`" for n in self.names)
             raise ApiError(404, f"The model `{name}` does not exist. This server serves {names}.",
                            param="model", code="model_not_found")
         return served
