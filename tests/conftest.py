@@ -114,7 +114,8 @@ def _needs_of(item: pytest.Item) -> set[str]:
 SLOWEST_FIRST = [
     "test_multihost.py", "test_hf_parity.py", "test_architectures.py", "test_operator_pods.py", "test_planner_live.py", "test_disagg.py",
     "test_mocker.py", "test_packaging.py", "test_routing.py", "test_observability.py", "test_vllm_worker.py",
-    "test_migration.py", "test_engine.py", "test_pool.py", "test_gateway.py", "test_fuzz.py",
+    "test_migration.py", "test_multimodel.py", "test_structured_corpus.py", "test_structured_output.py",
+    "test_engine.py", "test_pool.py", "test_gateway.py", "test_fuzz.py",
     "test_cli_serve.py", "test_http_limits.py", "test_checkov.py", "test_deploy_cli.py", "test_admission.py",
     "test_channel.py", "test_events.py", "test_security.py", "test_recovery.py",
 ]
