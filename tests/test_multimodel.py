@@ -43,6 +43,8 @@ def test_each_model_answers_under_its_own_name_streamed_and_not(two_models: Any)
     assert {name: m.model_extra["root"] for name, m in listed.items()} == {
         SMOL: SMOL, "smol": SMOL, tiny: tiny, "tiny": tiny}  # each model's id and its alias
     assert all(m.model_extra["ready"] for m in listed.values())
+    ready = httpx.get(f"http://127.0.0.1:{served.port}/ready", timeout=10).json()
+    assert ready["model"] == SMOL and ready["models"] == {SMOL: True, tiny: True}
     assert listed[tiny].model_extra["max_model_len"] != listed[SMOL].model_extra["max_model_len"]
     by_alias = client.completions.create(model="tiny", prompt="one two three", max_tokens=5, temperature=0)
     assert by_alias.model == "tiny"

@@ -166,12 +166,14 @@ def _add_ops_routes(api: FastAPI, state: GatewayState, backend: Backend) -> None
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @api.get("/ready", tags=["ops"], summary="a worker is connected and answering")
+    @api.get("/ready", tags=["ops"], summary="a worker of the default model is connected and answering (`models`: "
+             "each model's readiness)")
     async def ready() -> dict[str, Any]:
         if not backend.is_ready():
             raise ApiError.unavailable("no worker is ready yet")
         return {"status": "ready", "model": state.model_id,
-                "workers": backend.pools()[0][1].directory.routable_ids()}  # the pool that answers: both or decode
+                "workers": backend.pools()[0][1].directory.routable_ids(),  # the pool that answers: both or decode
+                "models": {model_id: served.is_ready() for model_id, served in state.models.items()}}
 
     @api.get("/metrics", dependencies=[Depends(check_metrics_key)], tags=["ops"], summary="Prometheus metrics")
     async def metrics() -> Response:
