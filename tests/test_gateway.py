@@ -359,8 +359,8 @@ def test_models_health_ready_openapi_metrics(gateway: Any, client: openai.OpenAI
     for name in ('dynserve_requests_total{endpoint="chat/completions",status="200"}',
                  "dynserve_time_to_first_token_seconds_count", "dynserve_inter_token_latency_seconds_count",
                  "dynserve_request_duration_seconds_count", 'dynserve_request_prompt_tokens_count{endpoint="chat/co',
-                 'dynserve_request_generation_tokens_sum{endpoint="chat/completions"}',
-                 "dynserve_generated_tokens_total", "dynserve_cached_prompt_tokens_total",
+                 f'dynserve_request_generation_tokens_sum{{endpoint="chat/completions",model="{MODEL}"}}',
+                 f'dynserve_generated_tokens_total{{model="{MODEL}"}}', "dynserve_cached_prompt_tokens_total",
                  "dynserve_inflight_requests", 'dynserve_gateway_worker_up{role="both",worker_id="w0"} 1.0'):
         assert name in text, name
     assert "dynserve_worker_kv" not in text  # a worker's own state is on the worker's port, not mirrored here

@@ -57,6 +57,12 @@ def test_each_model_answers_under_its_own_name_streamed_and_not(two_models: Any)
     pieces = [c.choices[0].text for c in client.completions.create(model=tiny, prompt="one two three", max_tokens=5,
                                                                    temperature=0, stream=True) if c.choices]
     assert "".join(pieces) == text.choices[0].text == by_alias.choices[0].text  # greedy: the same text
+    metrics = httpx.get(f"http://127.0.0.1:{served.port}/metrics", timeout=10).text
+    for model in (SMOL, tiny):  # each model's requests counted under its own label
+        generated = next(line for line in metrics.splitlines()
+                         if line.startswith(f'dynserve_generated_tokens_total{{model="{model}"}}'))
+        assert float(generated.split()[-1]) >= 5
+        assert f'dynserve_time_to_first_token_seconds_count{{endpoint="completions",model="{model}"}}' in metrics
     # the tiny model has no chat template: its own refusal, not the default model's answer
     with pytest.raises(openai.BadRequestError, match="no chat template"):
         client.chat.completions.create(model=tiny, messages=[{"role": "user", "content": "hi"}], max_tokens=2)

@@ -116,8 +116,8 @@ def test_observe_many_exposes_what_as_many_observes_would(amount: float) -> None
 
     one_by_one, at_once = GatewayMetrics(), GatewayMetrics()
     for _ in range(5):
-        one_by_one.endpoint("completions").itl.observe(amount)
-    observe_many(at_once.endpoint("completions").itl, amount, 5)
+        one_by_one.endpoint("completions", "m").itl.observe(amount)
+    observe_many(at_once.endpoint("completions", "m").itl, amount, 5)
     exposed = [[line for line in generate_latest(m.registry).decode().splitlines()
                 if line.startswith("dynserve_inter_token_latency_seconds") and "_created" not in line]
                for m in (one_by_one, at_once)]

@@ -166,25 +166,25 @@ class _Run:
                     for p, prompt in enumerate(prepared.prompts) for i, params in enumerate(prepared.params)]
         state.num_inflight += 1
         state.metrics.inflight.inc()
-        state.metrics.child(state.metrics.admitted, _ENDPOINTS[kind]).inc()
+        state.metrics.child(state.metrics.admitted, _ENDPOINTS[kind], served.model_id).inc()
         limit_s = state.settings.max_generation_s
         if body.max_generation_s is not None:
             limit_s = min(limit_s, body.max_generation_s)
-        run = cls(state, served.backend, kind, requests, builder, limit_s)
+        run = cls(state, served.backend, served.model_id, kind, requests, builder, limit_s)
         if prepared.tools is not None:
             for choice in run.choices:
                 choice.tool_calls = prepared.tool_call_parser()
         return run
 
-    def __init__(self, state: GatewayState, backend: Backend, kind: Kind, requests: list[GenerateRequest],
-                 builder: ResponseBuilder, limit_s: float) -> None:
+    def __init__(self, state: GatewayState, backend: Backend, model_id: str, kind: Kind,
+                 requests: list[GenerateRequest], builder: ResponseBuilder, limit_s: float) -> None:
         self.state, self.kind, self.requests, self.builder = state, kind, requests, builder
         self.backend = backend  # the model's
         self.deadline_s = asyncio.get_running_loop().time() + limit_s
         self.expired = False  # the generation cap was reached
         self._waiting: asyncio.Task[object] | None = None  # the task awaiting the workers' next delta
         self.endpoint = _ENDPOINTS[kind]
-        self.series = state.metrics.endpoint(self.endpoint)
+        self.series = state.metrics.endpoint(self.endpoint, model_id)
         self.choices = [ChoiceState(i) for i in range(len(requests))]
         self.start_s = time.perf_counter()
         self.first_token_s: float | None = None
@@ -201,7 +201,6 @@ class _Run:
             self.state.admission.abandon()
         self.state.num_inflight -= 1
         self.state.metrics.inflight.dec()
-        m = self.state.metrics
         firsts = self.builder.first_per_prompt(self.choices)
         if all(c.finish_reason is not None for c in self.choices):
             series = self.series
@@ -210,7 +209,7 @@ class _Run:
                 series.prompt_tokens.observe(choice.num_prompt_tokens)
             for choice in self.choices:
                 series.generation_tokens.observe(choice.num_output_tokens)
-        m.cached_tokens.inc(sum(c.num_cached_tokens for c in firsts))
+        self.series.cached_tokens.inc(sum(c.num_cached_tokens for c in firsts))
 
     def _observe(self, index: int, delta: TokenDelta) -> None:
         now = time.perf_counter()
@@ -225,7 +224,7 @@ class _Run:
         if previous is not None and num_tokens:
             observe_many(self.series.itl, (now - previous) / num_tokens, num_tokens)
         self.last_token_s[index] = now
-        self.state.metrics.generated_tokens.inc(num_tokens)
+        self.series.generated_tokens.inc(num_tokens)
         self.choices[index].absorb(delta)
 
     async def _deltas(self) -> AsyncIterator[tuple[int, TokenDelta]]:

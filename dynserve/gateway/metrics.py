@@ -58,13 +58,15 @@ def observe_many(histogram: Any, amount: float, count: int) -> None:
 
 @dataclass(frozen=True, slots=True)
 class EndpointSeries:
-    """One endpoint's latency histograms, already labelled."""
+    """One endpoint's latency histograms and one model's token counters, already labelled."""
 
     ttft: Any
     itl: Any
     e2e: Any
     prompt_tokens: Any
     generation_tokens: Any
+    generated_tokens: Any  # the model's counters
+    cached_tokens: Any
 
 
 class GatewayMetrics(BackendObserver):
@@ -75,23 +77,24 @@ class GatewayMetrics(BackendObserver):
         self.requests = Counter("dynserve_requests", "Requests answered, by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=registry)
         self.admitted = Counter("dynserve_requests_admitted", "Requests admitted to run, counted on arrival (the "
-                                "offered load: answered requests lag it by their duration)", ["endpoint"],
+                                "offered load: answered requests lag it by their duration)", ["endpoint", "model"],
                                 registry=registry)
         self.ttft = Histogram("dynserve_time_to_first_token_seconds", "Time from request to first token",
-                              ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=registry)
+                              ["endpoint", "model"], buckets=_LATENCY_BUCKETS_S, registry=registry)
         self.itl = Histogram("dynserve_inter_token_latency_seconds", "Time between consecutive output tokens",
-                             ["endpoint"], buckets=_ITL_BUCKETS_S, registry=registry)
+                             ["endpoint", "model"], buckets=_ITL_BUCKETS_S, registry=registry)
         self.e2e = Histogram("dynserve_request_duration_seconds", "Time from request to last token",
-                             ["endpoint"], buckets=_LATENCY_BUCKETS_S, registry=registry)
+                             ["endpoint", "model"], buckets=_LATENCY_BUCKETS_S, registry=registry)
         self.prompt_tokens = Histogram("dynserve_request_prompt_tokens", "Prompt tokens of each prompt of a "
-                                       "finished request (input sequence length)", ["endpoint"], buckets=_TOKENS_BUCKETS,
+                                       "finished request (input sequence length)", ["endpoint", "model"],
+                                       buckets=_TOKENS_BUCKETS,
                                        registry=registry)
         self.generation_tokens = Histogram("dynserve_request_generation_tokens", "Tokens generated for each "
                                            "choice of a finished request (output sequence length)",
-                                           ["endpoint"], buckets=_TOKENS_BUCKETS, registry=registry)
-        self.generated_tokens = Counter("dynserve_generated_tokens", "Tokens generated", registry=registry)
+                                           ["endpoint", "model"], buckets=_TOKENS_BUCKETS, registry=registry)
+        self.generated_tokens = Counter("dynserve_generated_tokens", "Tokens generated", ["model"], registry=registry)
         self.cached_tokens = Counter("dynserve_cached_prompt_tokens",
-                                     "Prompt tokens served from a worker's prefix cache", registry=registry)
+                                     "Prompt tokens served from a worker's prefix cache", ["model"], registry=registry)
         self.inflight = Gauge("dynserve_inflight_requests", "Requests admitted and not yet answered",
                               registry=registry)
         self.waiting_for_worker = Gauge("dynserve_gateway_waiting_for_worker_requests", "Requests held until a "
@@ -138,22 +141,29 @@ class GatewayMetrics(BackendObserver):
             registry=registry)
         self._routers: dict[str, Router] = {}  # pool -> its router, for the index sizes read at scrape time
         registry.register(_RouterIndexCollector(self._routers))
-        self._endpoints: dict[str, EndpointSeries] = {}
+        self._endpoints: dict[tuple[str, str], EndpointSeries] = {}
         # the children that requests touch, by metric and label values (see `endpoint` for why)
         self._children: dict[tuple[Any, ...], Any] = {}
         for endpoint in _ENDPOINTS:  # exported at 0 from the start: `rate()` sees the first requests arrive
-            self.endpoint(endpoint)
             self.child(self.requests, endpoint, "200")
-            self.child(self.admitted, endpoint)
 
-    def endpoint(self, endpoint: str) -> EndpointSeries:
-        """`endpoint`'s request histograms, labelled on its first request and kept: `labels()` takes a lock
-        and validates its arguments, which per token is a measurable share of the gateway's CPU."""
-        series = self._endpoints.get(endpoint)
+    def expect_model(self, model: str) -> None:
+        """Export a served model's request series at 0 (`rate()` then sees its first requests arrive)."""
+        for endpoint in _ENDPOINTS:
+            self.endpoint(endpoint, model)
+            self.child(self.admitted, endpoint, model)
+
+    def endpoint(self, endpoint: str, model: str) -> EndpointSeries:
+        """`endpoint`'s request histograms for `model` (a model served: the label's values are bounded),
+        labelled on the first such request and kept: `labels()` takes a lock and validates its arguments,
+        which per token is a measurable share of the gateway's CPU."""
+        key = (endpoint, model)
+        series = self._endpoints.get(key)
         if series is None:
-            series = self._endpoints[endpoint] = EndpointSeries(
-                self.ttft.labels(endpoint), self.itl.labels(endpoint), self.e2e.labels(endpoint),
-                self.prompt_tokens.labels(endpoint), self.generation_tokens.labels(endpoint))
+            series = self._endpoints[key] = EndpointSeries(
+                self.ttft.labels(*key), self.itl.labels(*key), self.e2e.labels(*key),
+                self.prompt_tokens.labels(*key), self.generation_tokens.labels(*key),
+                self.generated_tokens.labels(model), self.cached_tokens.labels(model))
         return series
 
     def child(self, metric: Any, *values: str) -> Any:

@@ -78,6 +78,7 @@ class GatewayState:
         if served.tool_format is None:
             served.tool_format = select_tool_format(served.tokenizer, self.settings.tool_call_parser)
         served.backend.add_observer(self.metrics)
+        self.metrics.expect_model(served.model_id)
         self.models[served.model_id] = served
         self.names.update(dict.fromkeys(names, served))
 

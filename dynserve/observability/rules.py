@@ -87,6 +87,14 @@ def _rules() -> list[Rule]:
         Rule("dynserve:generated_tokens:rate1m", f"sum(rate(dynserve_generated_tokens_total[{w}]))"),
         *_quantile_rules("dynserve:time_to_first_token_seconds", "dynserve_time_to_first_token_seconds", ""),
         *_quantile_rules("dynserve:inter_token_latency_seconds", "dynserve_inter_token_latency_seconds", ""),
+        # ---- per model, at the gateway (one that serves several) ---------------------------------------------
+        Rule("model:dynserve_requests_admitted:rate1m",
+             f"sum by (model) (rate(dynserve_requests_admitted_total[{w}]))"),
+        Rule("model:dynserve_generated_tokens:rate1m", f"sum by (model) (rate(dynserve_generated_tokens_total[{w}]))"),
+        *_quantile_rules("model:dynserve_time_to_first_token_seconds", "dynserve_time_to_first_token_seconds",
+                         "model"),
+        *_quantile_rules("model:dynserve_inter_token_latency_seconds", "dynserve_inter_token_latency_seconds",
+                         "model"),
         # ---- per pool, from the workers ------------------------------------------------------------------
         Rule("role:dynserve_workers:count", "count by (role) (dynserve_worker_kv_blocks_capacity)"),
         *_quantile_rules("role:dynserve_worker_time_to_first_token_seconds",
