@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import dynserve
 from dynserve.config import Settings
-from dynserve.events.base import EventPlane
+from dynserve.events.base import EventBatch, EventPlane
 from dynserve.gateway.admission import Admission
 from dynserve.gateway.asgi import AsgiHandler
 from dynserve.gateway.completions import COMPLETION_ROUTES, CompletionRoutes
@@ -38,6 +38,7 @@ from dynserve.gateway.schemas import (
 )
 from dynserve.gateway.state import GatewayState, ServedModel
 from dynserve.model.tokenizer import Tokenizer
+from dynserve.protocol import KVEvent, WorkerInfo
 
 __all__ = ["Gateway", "build_app", "scrape_targets"]
 
@@ -133,7 +134,8 @@ def _consume_kv_events(settings: Settings, backend: Backend,
             else:
                 planes.append(plane := connect_event_plane(settings.redis_url, settings.namespace,
                                                            cluster_token=settings.secret("cluster_token")))
-            consumers.append(asyncio.create_task(dispatcher.router.consume(plane, backend.snapshot),
+            members = _MembersEvents(plane, dispatcher.directory.channels)
+            consumers.append(asyncio.create_task(dispatcher.router.consume(members, backend.snapshot),
                                                  name="kv-events"))
 
     async def stop() -> None:
@@ -143,6 +145,35 @@ def _consume_kv_events(settings: Settings, backend: Backend,
         await asyncio.gather(*(plane.close() for plane in planes), return_exceptions=True)
 
     return stop
+
+
+class _MembersEvents(EventPlane):
+    """The fleet's event plane as one pool's KV router reads it: only the batches of the pool's members.
+
+    The plane carries every model's workers; a router fed them all would index the whole fleet (each of N
+    models' indexes a copy of all N models' blocks, every event applied N times). A worker's batches from
+    before its pool admits it are skipped: its first batch after that is a gap, which the router resyncs
+    from the worker's snapshot."""
+
+    def __init__(self, plane: EventPlane, members: Mapping[str, object]) -> None:
+        self.plane, self.members = plane, members
+
+    async def read(self, cursor: str, *, max_batches: int = 1000,
+                   block_s: float = 1.0) -> tuple[list[EventBatch], str]:
+        batches, cursor = await self.plane.read(cursor, max_batches=max_batches, block_s=block_s)
+        return [batch for batch in batches if batch.worker_id in self.members], cursor
+
+    async def publish(self, worker_id: str, events: Sequence[KVEvent]) -> None:
+        await self.plane.publish(worker_id, events)
+
+    async def register(self, info: WorkerInfo, ttl_s: float) -> None:
+        await self.plane.register(info, ttl_s)
+
+    async def deregister(self, worker_id: str) -> None:
+        await self.plane.deregister(worker_id)
+
+    async def workers(self) -> list[WorkerInfo]:
+        return await self.plane.workers()
 
 
 async def _attach(settings: Settings, state: GatewayState, events: EventPlane | None,
