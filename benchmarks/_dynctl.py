@@ -31,7 +31,7 @@ from benchmarks._common import file_tail, log
 __all__ = ["DynctlServer", "dynctl_serve", "scrape_counters"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-_BANNER = re.compile(r"dynserve is serving \S+ at http://[^/\s]+:(\d+)/v1")
+_BANNER = re.compile(r"dynserve is serving \S+(?:, \S+)* at http://[^/\s]+:(\d+)/v1")  # one model or several
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
