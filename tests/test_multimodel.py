@@ -148,3 +148,27 @@ def test_model_given_twice_on_the_command_line_is_the_model_then_the_extra_model
     settings = settings_from(parser.parse_args(["--model", "a.gguf", "--model", "b", "--extra-model", "c"]))
     assert (settings.model, settings.extra_models) == ("a.gguf", ["b", "c"])
     assert settings_from(parser.parse_args(["--model", "a.gguf"])).extra_models == []
+
+
+def test_a_pools_router_reads_only_its_members_kv_events() -> None:
+    """Every model's workers publish on one plane; each pool's router is fed only its own members' batches
+    (the others' would fill its index with blocks it can never route to)."""
+    import asyncio
+
+    from dynserve.events.memory import MemoryEventPlane
+    from dynserve.gateway.app import _MembersEvents
+    from dynserve.protocol import BlockStored
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        plane = MemoryEventPlane()
+        members: dict[str, object] = {"a-0": object()}
+        view = _MembersEvents(plane, members)
+        for worker_id in ("a-0", "b-0", "a-0"):
+            await plane.publish(worker_id, [BlockStored(1, None, [7])])
+        first, cursor = await view.read("0", block_s=0.1)
+        members["b-0"] = object()  # b-0 joins the pool: its batches from now on
+        await plane.publish("b-0", [BlockStored(2, None, [8])])
+        then, _cursor = await view.read(cursor, block_s=0.1)
+        return [b.worker_id for b in first], [b.worker_id for b in then]
+
+    assert asyncio.run(scenario()) == (["a-0", "a-0"], ["b-0"])
