@@ -129,13 +129,22 @@ def check_json_schema(schema: Any, param: str) -> None:
     draft its `$schema` names, 2020-12 by default)."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{param} must be a JSON Schema object", param=param)
+    # checked once per distinct schema: a large one (100 kB) takes the metaschema check 0.3-0.7 s here
+    problem = _schema_problem(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+    if problem:
+        raise InvalidRequestError(f"{param} is not a valid JSON Schema: {problem}", param=param)
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(source: str) -> str:
+    """What is wrong with a schema (JSON text) against its metaschema; "" when nothing is."""
+    schema = json.loads(source)
     validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         validator.check_schema(schema)
     except jsonschema.SchemaError as exc:
-        where = exc.json_path if exc.path else "its root"
-        raise InvalidRequestError(f"{param} is not a valid JSON Schema: at {where}: {exc.message}",
-                                  param=param) from exc
+        return f"at {exc.json_path if exc.path else 'its root'}: {exc.message}"
+    return ""
 
 
 def _schema_grammar(schema: Any, param: str, *, lenient: bool) -> Grammar:
