@@ -96,15 +96,19 @@ def test_following_nodes_starts_one_worker_per_node_and_drops_only_what_never_st
     assert (new, dropped, policy.target) == (["decode-0", "decode-1"], [], 2)
     assert policy.ready("decode-0", _info("decode-0"), 1.0)
     assert policy.follow(2, 1.0) == ([], [])  # nothing changed: nothing to do
-    # one pod left before its worker started: that worker is dropped, the serving one stays
-    assert policy.follow(1, 2.0) == ([], ["decode-1"])
-    policy.died("decode-1", 2.0)
+    # one pod left before its worker started: once that lasts node_grace_s, that worker is dropped, the serving
+    # one stays (a node missing from the count for a moment drops nothing)
+    assert policy.follow(1, 2.0) == ([], [])
+    assert policy.follow(2, 3.0) == ([], [])  # back: nothing to do
+    assert policy.follow(1, 4.0) == ([], [])
+    assert policy.follow(1, 4.0 + policy.node_grace_s) == ([], ["decode-1"])
+    policy.died("decode-1", 9.0)
     assert (policy.target, policy.num_active) == (1, 1)
     # the serving worker's pod leaves: it stays until its death is seen, and is not replaced after it
-    assert policy.follow(0, 3.0) == ([], [])
+    assert policy.follow(0, 10.0) == ([], [])
     assert (policy.target, policy.num_active) == (0, 1)
     policy.check_integrity()  # more workers than target is allowed while following
-    policy.died("decode-0", 3.5)
+    policy.died("decode-0", 10.5)
     assert policy.replacements(100.0) == []
     # a worker that dies while its pod stays is replaced under the restart policy
     new, _ = policy.follow(1, 200.0)

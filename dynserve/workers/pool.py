@@ -83,6 +83,10 @@ class PoolPolicy:
     _restarts_s: deque[float] = field(default_factory=deque)
     _last_failure_s: float | None = None
     following: bool = False  # follow mode: nodes leave before their workers are seen dead (see `follow`)
+    # follow mode: how long fewer nodes than starting and serving workers must last before a starting worker
+    # is dropped (a node's resources can drop out of the cluster's count for a moment under load)
+    node_grace_s: float = 5.0
+    _fewer_nodes_since_s: float | None = None
 
     @property
     def num_active(self) -> int:
@@ -126,13 +130,20 @@ class PoolPolicy:
 
     def follow(self, num_nodes: int, now_s: float) -> tuple[list[str], list[str]]:
         """Follow mode: the target is the number of nodes made for this pool (one worker each). Returns (ids of
-        workers to start now for nodes that joined, ids of starting workers to drop for nodes that left).
-        A serving worker whose node left is not dropped here: it dies with its node and its death is seen by
+        workers to start now for nodes that joined, ids of starting workers to drop for nodes that left, once
+        there have been fewer nodes than such workers for `node_grace_s`). A serving worker whose node left is not dropped here: it dies with its node and its death is seen by
         the health check (so `num_active` may exceed `target` until then). A worker that dies while its node
         stays is replaced by `replacements`, under the restart policy."""
         new = [self._new_member(now_s) for _ in range(num_nodes - max(self.target, self.num_active))]
         self.target, self.following = num_nodes, True
-        dropped = []
+        dropped: list[str] = []
+        if self.num_active <= num_nodes:
+            self._fewer_nodes_since_s = None
+            return new, dropped
+        if self._fewer_nodes_since_s is None:
+            self._fewer_nodes_since_s = now_s
+        if now_s - self._fewer_nodes_since_s < self.node_grace_s:
+            return new, dropped
         for member in reversed([m for m in self.members.values() if m.state == "starting"]):
             if self.num_active <= self.target:
                 break
