@@ -13,7 +13,18 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-__all__ = ["HttpError", "RawConnection"]
+__all__ = ["HttpError", "RawConnection", "read_chunked_body"]
+
+
+async def read_chunked_body(reader: asyncio.StreamReader) -> bytes:
+    """A chunked response body, whole (its head already read): the chunks joined, up to the last one."""
+    body = bytearray()
+    while True:
+        size = int((await reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
+        piece = await reader.readexactly(size + 2)
+        if size == 0:
+            return bytes(body)
+        body += piece[:-2]
 
 
 class HttpError(RuntimeError):

@@ -19,6 +19,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from benchmarks._http import read_chunked_body
+
 __all__ = ["LoadResult", "Workload", "make_workload", "play", "zipf_weights"]
 
 _DONE = b"data: [DONE]\n\n"
@@ -88,18 +90,12 @@ class _User:
         start_s = time.perf_counter()
         self.writer.write(request)
         head = await self.reader.readuntil(b"\r\n\r\n")
-        body = bytearray()
-        while True:
-            size = int((await self.reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-            piece = await self.reader.readexactly(size + 2)
-            if size == 0:
-                break
-            body += piece[:-2]
+        body = await read_chunked_body(self.reader)
         elapsed_s = time.perf_counter() - start_s
         if not head.startswith(b"HTTP/1.1 200") or not body.endswith(_DONE):
-            raise RuntimeError(f"{head.splitlines()[0]!r}: {bytes(body[-300:])!r}")
+            raise RuntimeError(f"{head.splitlines()[0]!r}: {body[-300:]!r}")
         if expected_tokens is not None:
-            _check_usage(bytes(body), expected_tokens)
+            _check_usage(body, expected_tokens)
         return elapsed_s
 
 

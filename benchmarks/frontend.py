@@ -54,6 +54,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks._http import read_chunked_body
 from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, machine_info, percentile, write_result
 from benchmarks._services import free_port
 
@@ -101,18 +102,12 @@ class _Client:
         head = await self.reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"status {head.splitlines()[0]!r}: {await self.reader.read(500)!r}")
-        body = bytearray()
-        while True:
-            size = int((await self.reader.readuntil(b"\r\n"))[:-2].split(b";")[0], 16)
-            piece = await self.reader.readexactly(size + 2)
-            if size == 0:
-                break
-            body += piece[:-2]
+        body = await read_chunked_body(self.reader)
         elapsed = time.perf_counter() - start
         if not body.endswith(_DONE):
-            raise RuntimeError(f"the stream did not end with [DONE]: {bytes(body[-200:])!r}")
+            raise RuntimeError(f"the stream did not end with [DONE]: {body[-200:]!r}")
         if check:
-            _check_stream(bytes(body))
+            _check_stream(body)
         return elapsed
 
     async def close(self) -> None:
