@@ -146,7 +146,7 @@ class _Scan:
     in_string: bool = False
     escaped: bool = False
     arguments_at: int | None = None  # where the arguments object starts in `text`, once the header is whole
-    arguments_done: bool = False
+    arguments_end: int | None = None  # just past the arguments' closing bracket, once it came
     call_id: str | None = None  # set when the call's id and name went out before its end
     whole: bool = False  # the call goes out whole when it closes (its arguments are not an object)
     sent_to: int = 0  # how much of `text` went out as argument deltas
@@ -256,8 +256,8 @@ class ToolCallParser:
             scan.depth += 1
         elif char in "}]":
             scan.depth -= 1
-            if scan.depth == 1 and scan.arguments_at is not None:
-                scan.arguments_done = True
+            if scan.depth == 1 and scan.arguments_at is not None and scan.arguments_end is None:
+                scan.arguments_end = len(scan.text)
         if scan.depth == 1 and scan.arguments_at is None and not scan.in_string:
             header = _HEADER.fullmatch(scan.text)
             if header is not None:
@@ -280,9 +280,7 @@ class ToolCallParser:
             scan.call_id, scan.sent_to = self.format.new_call_id(), scan.arguments_at
             deltas.append({"index": len(self.calls), "id": scan.call_id, "type": "function",
                            "function": {"name": json.loads(header.group(1)), "arguments": ""}})
-        end = len(scan.text)
-        if scan.arguments_done:  # the rest is the object's close
-            end = scan.arguments_at + len(_arguments_text(scan))
+        end = len(scan.text) if scan.arguments_end is None else scan.arguments_end  # then the object's close
         if end > scan.sent_to:
             deltas.append({"index": len(self.calls), "function": {"arguments": scan.text[scan.sent_to:end]}})
             scan.sent_to = end
@@ -295,37 +293,13 @@ class ToolCallParser:
         name, arguments = call
         if scan.call_id is not None:
             self._stream(scan, deltas)  # whatever of the arguments is still unsent
-            call_id, arguments_text = scan.call_id, _arguments_text(scan)
+            call_id, arguments_text = scan.call_id, scan.text[scan.arguments_at:scan.arguments_end]
         else:
             call_id = self.format.new_call_id()
             arguments_text = json.dumps(arguments)
             deltas.append({"index": len(self.calls), "id": call_id, "type": "function",
                            "function": {"name": name, "arguments": arguments_text}})
         self.calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments_text}})
-
-
-def _arguments_text(scan: _Scan) -> str:
-    """The arguments object's text, from its `{` to its matching `}`."""
-    assert scan.arguments_at is not None
-    depth, in_string, escaped = 0, False, False
-    for i in range(scan.arguments_at, len(scan.text)):
-        char = scan.text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return scan.text[scan.arguments_at: i + 1]
-    return scan.text[scan.arguments_at:]
 
 
 def _parse_call(text: str, arguments_key: str) -> tuple[str, Any] | None:
