@@ -22,6 +22,7 @@ ends. The concatenated `arguments` deltas of a call are its `arguments` string i
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
@@ -37,6 +38,7 @@ __all__ = ["FORMATS", "ToolCallParser", "ToolFormat", "select_tool_format"]
 # JSON as the engine writes it under a grammar (see engine/structured.py's JSON_OPTIONS)
 JSON_STYLE = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 _ID_CHARS = string.ascii_letters + string.digits
+_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +58,18 @@ class ToolFormat:
         if self.name == "mistral":  # Mistral's template accepts 9 letters and digits
             return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
         return f"call_{secrets.token_hex(12)}"
+
+    def template_call_id(self, call_id: str) -> str:
+        """A call id as the chat template takes it: Mistral's only nine letters and digits, so any other id
+        maps to one, the same way for a call and for its result."""
+        if self.name != "mistral" or _MISTRAL_ID.fullmatch(call_id):
+            return call_id
+        number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+        chars = []
+        for _ in range(9):
+            number, digit = divmod(number, len(_ID_CHARS))
+            chars.append(_ID_CHARS[digit])
+        return "".join(chars)
 
     def call_text(self, calls: list[tuple[str, Any]]) -> str:
         """Earlier calls `(name, arguments)` as this format writes them (for templates without a tools section)."""

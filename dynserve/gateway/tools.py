@@ -17,10 +17,8 @@ Pure functions of the request; every problem with the request is an `InvalidRequ
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import string
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,8 +30,6 @@ from dynserve.protocol import Grammar
 __all__ = ["ToolPlan", "call_grammar", "render_messages", "tool_plan_of"]
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_MISTRAL_ID = re.compile(r"[A-Za-z0-9]{9}")
-_ID_CHARS = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +142,11 @@ def render_messages(messages: list[dict[str, Any]], plan: ToolPlan | None, tool_
 def _native_message(message: dict[str, Any], tool_format: ToolFormat) -> dict[str, Any]:
     out = {**message, "content": _text(message.get("content"))}
     if message.get("tool_calls"):
-        out["tool_calls"] = [{"id": _call_id(call["id"], tool_format), "type": "function",
+        out["tool_calls"] = [{"id": tool_format.template_call_id(call["id"]), "type": "function",
                               "function": {"name": call["function"]["name"], "arguments": _arguments(call)}}
                              for call in message["tool_calls"]]
     if message.get("tool_call_id") is not None:
-        out["tool_call_id"] = _call_id(message["tool_call_id"], tool_format)
+        out["tool_call_id"] = tool_format.template_call_id(message["tool_call_id"])
     return out
 
 
@@ -167,16 +163,3 @@ def _arguments(call: dict[str, Any]) -> Any:
         return json.loads(call["function"]["arguments"])
     except ValueError:
         return call["function"]["arguments"]
-
-
-def _call_id(call_id: str, tool_format: ToolFormat) -> str:
-    """Mistral's template takes only ids of nine letters and digits: any other id maps to one, the same way
-    for a call and for its result."""
-    if tool_format.name != "mistral" or _MISTRAL_ID.fullmatch(call_id):
-        return call_id
-    number = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
-    chars = []
-    for _ in range(9):
-        number, digit = divmod(number, len(_ID_CHARS))
-        chars.append(_ID_CHARS[digit])
-    return "".join(chars)
