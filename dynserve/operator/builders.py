@@ -15,6 +15,9 @@ What one deployment `NAME` becomes (all in its namespace, owned by it, labelled 
   offering it, one worker per pod), a PodDisruptionBudget; a headless Service `NAME-workers` for the
   workers' metrics; a vLLM pool's pods instead run vLLM's server and a `dynctl attach` sidecar
   (`vllm_pods.py`);
+- with several models (`spec.models`): the first model's pools as above, each other model MODEL's as
+  `NAME-MODEL-POOL` (labelled `dynserve.io/model: MODEL`, its pods offering `dynserve_pool_mI_ROLE`, its files
+  at /models/MODEL), and the gateways told every model and alias (`commands.gateway_model_flags`);
 - with the planner: ServiceAccount `NAME-head` and a Role and RoleBinding letting it scale the DynServePools;
 - with a bundled Redis event plane: Deployment and Service `NAME-redis`;
 - with `observability.serviceMonitor`: a ServiceMonitor for the gateway's and the workers' metrics;
@@ -32,7 +35,9 @@ from __future__ import annotations
 from typing import Any
 
 from dynserve import __version__
-from dynserve.operator.commands import MODELS_DIR, PRE_STOP, RAY_PORT, model_path, pod_command, pod_env
+from dynserve.operator.commands import (
+    PRE_STOP, RAY_PORT, gateway_model_flags, model_dir, model_path, pod_command, pod_env, source_path,
+)
 from dynserve.operator.hardening import (
     CONTAINER_SECURITY, DEFAULT_CPU, build_network_policy, container_resources, cpu_quantity,
     default_memory_bytes, pod_security, writable_volumes,
@@ -44,7 +49,8 @@ from dynserve.operator.vllm_pods import VLLM_PORT_NAME, vllm_pod_spec
 
 __all__ = [
     "GATEWAY_PORT_NAME", "METRICS_PORT", "RAY_PORT", "build_children", "build_config", "build_head",
-    "build_pool", "build_pool_deployment", "build_pool_resource", "child_names", "labels", "pool_resource_name",
+    "build_pool", "build_pool_deployment", "build_pool_resource", "child_names", "labels", "model_key", "model_pools",
+    "pool_key", "pool_resource_name",
 ]
 
 METRICS_PORT = 9100  # each worker pod serves its metrics here (its own IP: no two workers share it)
@@ -52,6 +58,7 @@ GATEWAY_PORT_NAME = "http"
 MANAGER = "dynserve-operator"
 DEPLOYMENT_LABEL = f"{GROUP}/deployment"
 POOL_LABEL = f"{GROUP}/pool"
+MODEL_LABEL = f"{GROUP}/model"  # on another model's pools than the first's: its name in spec.models
 GATEWAY_LABEL = f"{GROUP}/gateway"  # on every pod serving the OpenAI API (the head's and gateway-only ones)
 
 
@@ -68,8 +75,35 @@ def selector_labels(name: str, component: str) -> dict[str, str]:
             "app.kubernetes.io/component": component}
 
 
-def pool_resource_name(name: str, pool: str) -> str:
-    return f"{name}-{pool}"
+def pool_resource_name(name: str, pool: str, model: str | None = None) -> str:
+    """A pool's DynServePool, worker Deployment and PDB: NAME-POOL for the first (default) model's pools,
+    NAME-MODEL-POOL for another model's (`model`: its name in spec.models)."""
+    return f"{name}-{pool}" if model is None else f"{name}-{model}-{pool}"
+
+
+def model_key(spec: DeploymentSpec, model_index: int) -> str | None:
+    """The name a model's pools carry: None for the first (default) model, its spec.models name otherwise."""
+    return None if model_index == 0 else spec.served_models()[model_index].name
+
+
+def pool_key(spec: DeploymentSpec, model_index: int, pool: str) -> str:
+    """A pool as the status and `replicas` name it: POOL for the default model's, MODEL/POOL for another's."""
+    key = model_key(spec, model_index)
+    return pool if key is None else f"{key}/{pool}"
+
+
+def model_pools(spec: DeploymentSpec) -> list[tuple[int, str, PoolSpec]]:
+    """(model index, pool name, pool spec) of every pool of every model, the default model's first."""
+    return [(index, pool, pool_spec) for index, entry in enumerate(spec.served_models())
+            for pool, pool_spec in entry.pools.items()]
+
+
+def _component(pool: str, model: str | None) -> str:
+    return f"pool-{pool}" if model is None else f"pool-{model}-{pool}"
+
+
+def _pool_labels(pool: str, model: str | None) -> dict[str, str]:
+    return {POOL_LABEL: pool} if model is None else {POOL_LABEL: pool, MODEL_LABEL: model}
 
 
 def _meta(name: str, namespace: str, component: str, spec: DeploymentSpec, uid: str | None,
@@ -143,7 +177,10 @@ def _tolerations(tolerations: list[Toleration]) -> list[dict[str, Any]]:
 
 
 def _pod_spec(name: str, spec: DeploymentSpec, container: dict[str, Any], *, node_selector: dict[str, str],
-              tolerations: list[Toleration], service_account: str | None = None) -> dict[str, Any]:
+              tolerations: list[Toleration], service_account: str | None = None,
+              model_index: int | None = None) -> dict[str, Any]:
+    """A pod of `container`; its model files are every model's (a gateway's: `model_index` None) or one
+    model's workers'."""
     image = image_of(spec)
     volumes, mounts = writable_volumes(spec)
     container = {"image": image, "imagePullPolicy": spec.image.pull_policy,
@@ -152,21 +189,45 @@ def _pod_spec(name: str, spec: DeploymentSpec, container: dict[str, Any], *, nod
     # a token only for a pod that talks to the API server (the head, when the planner scales through it)
     pod: dict[str, Any] = {"securityContext": pod_security(spec), "automountServiceAccountToken": service_account
                            is not None, "containers": [container], "terminationGracePeriodSeconds": 60}
-    volume = spec.model.volume or ({"emptyDir": {}} if spec.model.uri else None)
-    if volume is not None:
-        volumes.append({"name": "models", **volume})
-        mounts.append({"name": "models", "mountPath": MODELS_DIR})
+    fetches = _model_files(spec, model_index, volumes, mounts)
     pod["volumes"], container["volumeMounts"] = volumes, mounts
-    if spec.model.uri:
+    if fetches:
         pod["initContainers"] = [{
-            "name": "fetch-model", "image": image, "imagePullPolicy": spec.image.pull_policy,
-            "command": ["python", "-m", "dynserve.operator.fetch", spec.model.uri, model_path(spec)],
+            "name": "fetch-model" if key is None else f"fetch-model-{key}", "image": image,
+            "imagePullPolicy": spec.image.pull_policy,
+            "command": ["python", "-m", "dynserve.operator.fetch", uri, destination],
             "securityContext": CONTAINER_SECURITY,
             "resources": container_resources(Resources(), cpu="500m", memory_bytes=512 * 2**20),
-            "volumeMounts": [m for m in mounts if m["mountPath"] in ("/tmp", MODELS_DIR)]}]
+            "volumeMounts": [m for m in mounts if m["mountPath"] in ("/tmp", directory)]}
+            for key, uri, directory, destination in fetches]
     if service_account is not None:
         pod["serviceAccountName"] = service_account
     return _placed(pod, spec, node_selector, tolerations)
+
+
+def _model_files(spec: DeploymentSpec, model_index: int | None, volumes: list[dict[str, Any]],
+                 mounts: list[dict[str, Any]]) -> list[tuple[str | None, str, str, str]]:
+    """Add the volumes of the models a pod reads to `volumes` and `mounts` (each model's volume, or an emptyDir
+    its `uri` is fetched into, at `model_dir`); returns the fetches its init containers make (model name or
+    None for the first, uri, directory, file). A worker of another model than the first also mounts the first
+    model's own volume: models may share it."""
+    entries = spec.served_models()
+    indexes = range(len(entries)) if model_index is None else sorted({0, model_index})
+    fetches = []
+    for index in indexes:
+        entry, key = entries[index], model_key(spec, index)
+        if index != model_index and model_index is not None and entry.model.volume is None:
+            continue  # the first model's files, in another model's worker: only its shared volume
+        volume = entry.model.volume or ({"emptyDir": {}} if entry.model.uri else None)
+        if volume is None:
+            continue
+        directory = model_dir(entry, index)
+        volume_name = "models" if key is None else f"models-{key}"
+        volumes.append({"name": volume_name, **volume})
+        mounts.append({"name": volume_name, "mountPath": directory})
+        if entry.model.uri and (model_index is None or index == model_index):
+            fetches.append((key, entry.model.uri, directory, str(source_path(entry.model, directory))))
+    return fetches
 
 
 def _placed(pod: dict[str, Any], spec: DeploymentSpec, node_selector: dict[str, str],
@@ -190,7 +251,8 @@ def build_head(name: str, namespace: str, spec: DeploymentSpec, uid: str | None 
     ports = [{"name": GATEWAY_PORT_NAME, "containerPort": port}, {"name": "ray-gcs", "containerPort": RAY_PORT}]
     serves_vllm = spec.pools.vllm is not None  # the gateway waits for the first vLLM server, however long it loads
     container = {
-        "name": "head", "command": pod_command("head", serve=not serves_vllm), "ports": ports,
+        "name": "head", "command": pod_command("head", serve=not serves_vllm, gateway_flags=gateway_model_flags(spec)),
+        "ports": ports,
         "readinessProbe": {"httpGet": {"path": "/ready", "port": GATEWAY_PORT_NAME}, "periodSeconds": 5},
         "livenessProbe": {"httpGet": {"path": "/health", "port": GATEWAY_PORT_NAME}, "periodSeconds": 10,
                           "failureThreshold": 6},
@@ -229,7 +291,8 @@ def _gateway_deployment(name: str, namespace: str, spec: DeploymentSpec, uid: st
                         head: dict[str, Any]) -> dict[str, Any]:
     """The gateway-only pods: the head container's probes and resources, `dynctl gateway` as command."""
     meta = _meta(name, namespace, "gateway", spec, uid, f"{name}-gateway", {GATEWAY_LABEL: "true"})
-    container = {**head, "name": "gateway", "command": pod_command("gateway", head_host=f"{name}-head"),
+    container = {**head, "name": "gateway", "command": pod_command("gateway", head_host=f"{name}-head",
+                                                                   gateway_flags=gateway_model_flags(spec)),
                  "ports": [p for p in head["ports"] if p["name"] == GATEWAY_PORT_NAME]}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
             "spec": {"replicas": spec.gateway.replicas - 1, "selector": {"matchLabels": selector_labels(name, "gateway")},
@@ -257,15 +320,16 @@ def _planner_rbac(name: str, namespace: str, spec: DeploymentSpec, uid: str | No
 # ---- pools -----------------------------------------------------------------------------------------------
 
 def build_pool_resource(name: str, namespace: str, spec: DeploymentSpec, pool: str,
-                        uid: str | None = None) -> dict[str, Any]:
-    """The `DynServePool` of one pool, at the spec's replicas (its creation value)."""
-    pool_spec: PoolSpec = getattr(spec.pools, pool)
-    component = f"pool-{pool}"
+                        uid: str | None = None, model_index: int = 0) -> dict[str, Any]:
+    """The `DynServePool` of one pool (of model `model_index`), at the spec's replicas (its creation value)."""
+    pool_spec: PoolSpec = getattr(spec.served_models()[model_index].pools, pool)
+    key = model_key(spec, model_index)
+    body = {"deployment": name, "pool": pool, "replicas": pool_spec.replicas,
+            "minReplicas": pool_spec.min_replicas, "maxReplicas": pool_spec.max_replicas}
     return {"apiVersion": API_VERSION, "kind": POOL_KIND,
-            "metadata": _meta(name, namespace, component, spec, uid, pool_resource_name(name, pool),
-                              {POOL_LABEL: pool}),
-            "spec": {"deployment": name, "pool": pool, "replicas": pool_spec.replicas,
-                     "minReplicas": pool_spec.min_replicas, "maxReplicas": pool_spec.max_replicas}}
+            "metadata": _meta(name, namespace, _component(pool, key), spec, uid, pool_resource_name(name, pool, key),
+                              _pool_labels(pool, key)),
+            "spec": body if key is None else {**body, "model": key}}
 
 
 def _ray_cpus(pool_spec: PoolSpec) -> float:
@@ -279,13 +343,14 @@ def _ray_cpus(pool_spec: PoolSpec) -> float:
 
 
 def build_pool_deployment(name: str, namespace: str, spec: DeploymentSpec, pool: str, replicas: int,
-                          uid: str | None = None) -> dict[str, Any]:
-    """The worker Deployment of `pool` at `replicas` pods: each a Ray node offering one unit of the pool's
-    resource, ready once its worker serves metrics (the worker is up)."""
-    pool_spec: PoolSpec = getattr(spec.pools, pool)
-    component = f"pool-{pool}"
+                          uid: str | None = None, model_index: int = 0) -> dict[str, Any]:
+    """The worker Deployment of `pool` (of model `model_index`) at `replicas` pods: each a Ray node offering one
+    unit of the pool's resource, ready once its worker serves metrics (the worker is up)."""
+    pool_spec: PoolSpec = getattr(spec.served_models()[model_index].pools, pool)
+    key = model_key(spec, model_index)
+    component = _component(pool, key)
     selector = selector_labels(name, component)
-    meta = _meta(name, namespace, component, spec, uid, pool_resource_name(name, pool), {POOL_LABEL: pool})
+    meta = _meta(name, namespace, component, spec, uid, pool_resource_name(name, pool, key), _pool_labels(pool, key))
     template_labels = {**meta["labels"], f"{GROUP}/worker": "true"}
     if pool == "workers" and spec.pools.vllm is not None:
         pod = _placed(vllm_pod_spec(name, spec, pool_spec.resources, image=image_of(spec)), spec,
@@ -296,7 +361,7 @@ def build_pool_deployment(name: str, namespace: str, spec: DeploymentSpec, pool:
     container = {
         "name": "worker",
         "command": pod_command("worker", head_host=f"{name}-head", role=POOL_ROLES[pool],
-                               ray_cpus=_ray_cpus(pool_spec)),
+                               ray_cpus=_ray_cpus(pool_spec), model_index=model_index),
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT}],
         "readinessProbe": {"tcpSocket": {"port": "metrics"}, "periodSeconds": 5},
         # a node whose worker is gone (and not replaced) restarts: the head's pool places a new one on it
@@ -312,17 +377,19 @@ def build_pool_deployment(name: str, namespace: str, spec: DeploymentSpec, pool:
             "spec": {"replicas": replicas, "selector": {"matchLabels": selector},
                      "template": {"metadata": {"labels": template_labels},
                                   "spec": _pod_spec(name, spec, container, node_selector=pool_spec.node_selector,
-                                                    tolerations=pool_spec.tolerations)}}}
+                                                    tolerations=pool_spec.tolerations, model_index=model_index)}}}
 
 
 def build_pool(name: str, namespace: str, spec: DeploymentSpec, pool: str, replicas: int,
-               uid: str | None = None) -> list[dict[str, Any]]:
+               uid: str | None = None, model_index: int = 0) -> list[dict[str, Any]]:
     """A pool's worker Deployment and PodDisruptionBudget (one pod down at a time)."""
-    component = f"pool-{pool}"
+    key = model_key(spec, model_index)
+    component = _component(pool, key)
     pdb = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-           "metadata": _meta(name, namespace, component, spec, uid, pool_resource_name(name, pool), {POOL_LABEL: pool}),
+           "metadata": _meta(name, namespace, component, spec, uid, pool_resource_name(name, pool, key),
+                             _pool_labels(pool, key)),
            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, component)}}}
-    return [build_pool_deployment(name, namespace, spec, pool, replicas, uid), pdb]
+    return [build_pool_deployment(name, namespace, spec, pool, replicas, uid, model_index), pdb]
 
 
 def _workers_service(name: str, namespace: str, spec: DeploymentSpec, uid: str | None) -> dict[str, Any]:
@@ -372,20 +439,22 @@ def build_service_monitor(name: str, namespace: str, spec: DeploymentSpec, uid: 
 
 def child_names(name: str, spec: DeploymentSpec) -> dict[str, str]:
     """What a user looks for: the gateway's Service and each pool's DynServePool."""
-    return {"gateway": name, **{pool: pool_resource_name(name, pool) for pool, _ in spec.pools.items()}}
+    return {"gateway": name, **{pool_key(spec, index, pool): pool_resource_name(name, pool, model_key(spec, index))
+                                for index, pool, _ in model_pools(spec)}}
 
 
 def build_children(name: str, namespace: str, spec: DeploymentSpec, *, uid: str | None = None,
                    replicas: dict[str, int] | None = None) -> list[dict[str, Any]]:
-    """Every child of the deployment; `replicas` (pool -> pods) are the pools' current sizes (their
+    """Every child of the deployment; `replicas` (`pool_key` -> pods) are the pools' current sizes (their
     DynServePools'), the spec's when not given."""
     children = [build_config(name, namespace, spec, uid)]
     if spec.event_plane.backend == "redis" and not spec.event_plane.redis_url:
         children += build_redis(name, namespace, spec, uid)
     children += build_head(name, namespace, spec, uid)
-    for pool, pool_spec in spec.pools.items():
-        children.append(build_pool_resource(name, namespace, spec, pool, uid))
-        children += build_pool(name, namespace, spec, pool, (replicas or {}).get(pool, pool_spec.replicas), uid)
+    for index, pool, pool_spec in model_pools(spec):
+        children.append(build_pool_resource(name, namespace, spec, pool, uid, index))
+        count = (replicas or {}).get(pool_key(spec, index, pool), pool_spec.replicas)
+        children += build_pool(name, namespace, spec, pool, count, uid, index)
     children.append(_workers_service(name, namespace, spec, uid))
     if spec.observability.service_monitor:
         children.append(build_service_monitor(name, namespace, spec, uid))

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import posixpath
+import shlex
 from typing import Any
 from urllib.parse import urlparse
 
 from dynserve.operator.hardening import OBJECT_STORE_BYTES, cache_env
-from dynserve.operator.spec import DeploymentSpec, VllmSpec
+from dynserve.operator.spec import DeploymentSpec, ModelEntry, ModelSource, VllmSpec, served_id
 
 __all__ = [
-    "MODELS_DIR", "PRE_STOP", "RAY_PORT", "VLLM_COMMAND", "attach_command", "model_path", "pod_command", "pod_env",
-    "pool_resource", "vllm_args",
+    "MODELS_DIR", "PRE_STOP", "RAY_PORT", "VLLM_COMMAND", "attach_command", "gateway_model_flags", "model_dir",
+    "model_path", "pod_command", "pod_env", "pool_resource", "source_path", "vllm_args",
 ]
 
 RAY_PORT = 6379
@@ -30,37 +31,72 @@ PRE_STOP = ["/bin/sh", "-c", "ray stop --grace-period 20"]
 VLLM_COMMAND = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 
 
-def pool_resource(role: str) -> str:
-    """The Ray resource a pool's worker pods offer and its workers require."""
-    return f"dynserve_pool_{role}"
+def pool_resource(role: str, model_index: int = 0) -> str:
+    """The Ray resource a pool's worker pods offer and its workers require: `dynserve_pool_ROLE` for the first
+    (default) model's pools, `dynserve_pool_mI_ROLE` for the I-th model's (counting from 0), so each model's
+    pools follow only the pods made for them (the head's `dynctl serve` names model I's pools `mI-...`)."""
+    return f"dynserve_pool_{role}" if model_index == 0 else f"dynserve_pool_m{model_index}_{role}"
+
+
+def model_dir(entry: ModelEntry, model_index: int) -> str:
+    """Where model `model_index`'s volume is mounted and its `uri` fetched to: /models for the first model,
+    /models/NAME for the others."""
+    return MODELS_DIR if model_index == 0 else posixpath.join(MODELS_DIR, entry.name)
+
+
+def source_path(source: ModelSource, directory: str = MODELS_DIR) -> str | None:
+    """Where pods find a model: its path, the file its `uri` is fetched to in `directory`, or None (the bundled
+    one)."""
+    if source.uri:
+        return posixpath.join(directory, posixpath.basename(urlparse(source.uri).path) or "model.gguf")
+    return source.path
 
 
 def model_path(spec: DeploymentSpec) -> str | None:
-    """Where pods find the model: the spec's path, the file a `uri` is fetched to, or None (the bundled one)."""
-    if spec.model.uri:
-        return posixpath.join(MODELS_DIR, posixpath.basename(urlparse(spec.model.uri).path) or "model.gguf")
-    return spec.model.path
+    """Where pods find the (first, default) model: the spec's path, the file a `uri` is fetched to, or None."""
+    return source_path(spec.model)
+
+
+def gateway_model_flags(spec: DeploymentSpec) -> list[str]:
+    """What a gateway (the head's `dynctl serve`, a gateway-only pod's `dynctl gateway`) is told of the models
+    beyond the ConfigMap's `DYN_MODEL`: with several, `--model PATH` for each, the default first (`dynctl serve`
+    starts each one's pools, `dynctl gateway` tokenizes with the first and finds the others on the registry);
+    each model's `servedModelNames` as `--served-model-name` (`NAME` for the default model, `NAME=MODEL_ID` for
+    the others). None for the single-model form."""
+    entries = spec.served_models()
+    flags: list[str] = []
+    if len(entries) > 1:
+        for index, entry in enumerate(entries):
+            flags += ["--model", str(source_path(entry.model, model_dir(entry, index)))]
+    for index, entry in enumerate(entries):
+        model_id = served_id(entry.model)
+        flags += [arg for alias in entry.served_model_names
+                  for arg in ("--served-model-name", alias if index == 0 else f"{alias}={model_id}")]
+    return flags
 
 
 _RAY = f"ray start --node-ip-address=\"$POD_IP\" --object-store-memory={OBJECT_STORE_BYTES} --disable-usage-stats"
 
 
 def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: float = 1.0,
-                serve: bool = True) -> list[str]:
+                serve: bool = True, model_index: int = 0, gateway_flags: list[str] | None = None) -> list[str]:
     """The container command of a head (`kind="head"`), a gateway-only (`"gateway"`) or a pool's worker pod
     (`"worker"`): a shell that starts the pod's Ray node and then the pod's one long-running process. `$POD_IP`
     comes from the pod's environment (the downward API). `serve=False`: the head runs `dynctl gateway` instead
-    of `dynctl serve` (a vLLM pool: no pool of dynserve's workers to start, the attached servers to follow)."""
+    of `dynctl serve` (a vLLM pool: no pool of dynserve's workers to start, the attached servers to follow).
+    `gateway_flags` (`gateway_model_flags`) follow a gateway's command; a worker of model `model_index` offers
+    that model's pool resource."""
     ray = _RAY
+    more = "".join(f" {shlex.quote(flag)}" for flag in gateway_flags or [])
     if kind == "head":
         command = "serve" if serve else "gateway"
         script = (f"{ray} --head --port={RAY_PORT} --num-cpus=0 --include-dashboard=false && "
-                  f"exec dynctl {command} --ray-address=\"$POD_IP:{RAY_PORT}\"")
+                  f"exec dynctl {command} --ray-address=\"$POD_IP:{RAY_PORT}\"{more}")
     elif kind == "gateway":  # a Ray driver needs a node of its own: one with no CPUs, where nothing is placed
         script = (f"{ray} --address={head_host}:{RAY_PORT} --num-cpus=0 && "
-                  f"exec dynctl gateway --ray-address={head_host}:{RAY_PORT}")
+                  f"exec dynctl gateway --ray-address={head_host}:{RAY_PORT}{more}")
     else:
-        resources = json.dumps({pool_resource(role): 1}, separators=(",", ":"))
+        resources = json.dumps({pool_resource(role, model_index): 1}, separators=(",", ":"))
         script = (f"exec {ray} --address={head_host}:{RAY_PORT} --num-cpus={ray_cpus:g} "
                   f"--resources='{resources}' --block")
     return ["/bin/sh", "-c", script]

@@ -108,10 +108,11 @@ def _crd(kind: str, plural: str, short: str, version: dict[str, Any]) -> dict[st
 
 def deployment_crd() -> dict[str, Any]:
     spec = openapi_schema(DeploymentSpec)
-    spec["properties"]["pools"]["x-kubernetes-validations"] = [{
-        "rule": "has(self.workers) != (has(self.prefill) && has(self.decode)) && "
-                "(has(self.prefill) == has(self.decode))",
-        "message": "give workers (aggregated) or both prefill and decode (disaggregated)"}]
+    layout = [{"rule": "has(self.workers) != (has(self.prefill) && has(self.decode)) && "
+                       "(has(self.prefill) == has(self.decode))",
+               "message": "give workers (aggregated) or both prefill and decode (disaggregated)"}]
+    spec["properties"]["pools"]["x-kubernetes-validations"] = layout
+    spec["properties"]["models"]["items"]["properties"]["pools"]["x-kubernetes-validations"] = layout
     pool_status = {"type": "object", "properties": {
         "desiredReplicas": {"type": "integer"}, "readyReplicas": {"type": "integer"}}}
     status = {"type": "object", "properties": {

@@ -5,8 +5,10 @@ client) and a resource: no kopf here (`handlers.py` registers these with kopf).
   replicas are then whoever scales it: the planner, an HPA, `kubectl scale`; a change of the pool's replicas
   in the deployment's own spec is applied to it too), server-side apply every other child with the pools'
   current replicas, and delete children the spec no longer asks for.
-- `reconcile_pool`: a `DynServePool`'s replicas onto its worker Deployment; its status from the Deployment.
-- `deployment_status`: the deployment's status from its children: per-pool desired and ready pods, the
+- `reconcile_pool`: a `DynServePool`'s replicas onto its worker Deployment (its model's, with several models);
+  its status from the Deployment.
+- `deployment_status`: the deployment's status from its children: per-pool desired and ready pods (another
+  model's than the first's keyed MODEL/POOL), the
   conditions Ready, Progressing and Degraded, the gateway's URL, the generation it describes.
 
 Every failure is a `KubernetesError` (its `retryable` tells a transient one) or an `InvalidRequestError` (the
@@ -20,7 +22,8 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from dynserve.operator.builders import (
-    DEPLOYMENT_LABEL, MANAGER, build_children, build_pool_deployment, build_pool_resource, pool_resource_name,
+    DEPLOYMENT_LABEL, MANAGER, build_children, build_pool_deployment, build_pool_resource, model_key, model_pools,
+    pool_key, pool_resource_name,
 )
 from dynserve.operator.spec import API_VERSION, POOL_KIND, DeploymentSpec, parse_deployment, parse_pool
 
@@ -55,14 +58,15 @@ def _pool_replicas(client: Client, name: str, namespace: str, spec: DeploymentSp
     """Each pool's replicas now, creating its DynServePool the first time and passing on a change of the
     deployment spec's count (the user's hand: it wins over the planner's)."""
     replicas = {}
-    for pool, pool_spec in spec.pools.items():
-        resource_name = pool_resource_name(name, pool)
-        desired = build_pool_resource(name, namespace, spec, pool, uid)
+    for index, pool, pool_spec in model_pools(spec):
+        key = pool_key(spec, index, pool)
+        resource_name = pool_resource_name(name, pool, model_key(spec, index))
+        desired = build_pool_resource(name, namespace, spec, pool, uid, index)
         desired["metadata"].setdefault("annotations", {})[SPEC_REPLICAS_ANNOTATION] = str(pool_spec.replicas)
         existing = client.get(API_VERSION, POOL_KIND, resource_name, namespace)
         if existing is None:
             client.apply(desired, field_manager=MANAGER)
-            replicas[pool] = pool_spec.replicas
+            replicas[key] = pool_spec.replicas
             continue
         last = (existing["metadata"].get("annotations") or {}).get(SPEC_REPLICAS_ANNOTATION)
         current = int(existing["spec"]["replicas"])
@@ -71,7 +75,7 @@ def _pool_replicas(client: Client, name: str, namespace: str, spec: DeploymentSp
         else:  # leave the replicas to whoever scales the pool: apply everything else
             desired["spec"]["replicas"] = current
         client.apply(desired, field_manager=MANAGER)
-        replicas[pool] = current
+        replicas[key] = current
     return replicas
 
 
@@ -106,7 +110,7 @@ def reconcile_pool(client: Client, pool_obj: dict[str, Any]) -> dict[str, Any]:
     readyReplicas, selector). The Deployment is the deployment's to create: until it exists, only the status."""
     meta = pool_obj["metadata"]
     pool = parse_pool(pool_obj.get("spec"))
-    deployment_name = pool_resource_name(pool.deployment, pool.pool)
+    deployment_name = pool_resource_name(pool.deployment, pool.pool, pool.model)
     workers = client.get("apps/v1", "Deployment", deployment_name, meta["namespace"])
     if workers is None:
         return {"replicas": 0, "readyReplicas": 0, "observedGeneration": meta.get("generation")}
@@ -114,8 +118,11 @@ def reconcile_pool(client: Client, pool_obj: dict[str, Any]) -> dict[str, Any]:
         parent = client.get(API_VERSION, "DynServeDeployment", pool.deployment, meta["namespace"])
         if parent is not None:
             spec = parse_deployment(parent.get("spec"))
-            client.apply(build_pool_deployment(pool.deployment, meta["namespace"], spec, pool.pool, pool.replicas,
-                                               parent["metadata"].get("uid")), field_manager=MANAGER)
+            names = [entry.name for entry in spec.served_models()]
+            index = 0 if pool.model is None else names.index(pool.model) if pool.model in names[1:] else None
+            if index is not None:  # else a model the deployment no longer serves: its pools are being deleted
+                client.apply(build_pool_deployment(pool.deployment, meta["namespace"], spec, pool.pool, pool.replicas,
+                                                   parent["metadata"].get("uid"), index), field_manager=MANAGER)
         workers = client.get("apps/v1", "Deployment", deployment_name, meta["namespace"]) or workers
     status = workers.get("status") or {}
     selector = ",".join(f"{k}={v}" for k, v in sorted(workers["spec"]["selector"]["matchLabels"].items()))
@@ -142,15 +149,16 @@ def deployment_status(client: Client, obj: dict[str, Any]) -> dict[str, Any]:
     previous = {c["type"]: c for c in (obj.get("status") or {}).get("conditions", [])}
     spec = parse_deployment(obj.get("spec"))
     pools, lagging, failing = {}, [], []
-    for pool, _pool_spec in spec.pools.items():
-        resource = client.get(API_VERSION, POOL_KIND, pool_resource_name(name, pool), namespace)
-        workers = client.get("apps/v1", "Deployment", pool_resource_name(name, pool), namespace)
+    for index, pool, _pool_spec in model_pools(spec):
+        child, key = pool_resource_name(name, pool, model_key(spec, index)), pool_key(spec, index, pool)
+        resource = client.get(API_VERSION, POOL_KIND, child, namespace)
+        workers = client.get("apps/v1", "Deployment", child, namespace)
         desired = int(resource["spec"]["replicas"]) if resource else _pool_spec.replicas
         ready = int(((workers or {}).get("status") or {}).get("readyReplicas", 0))
-        pools[pool] = {"desiredReplicas": desired, "readyReplicas": ready}
+        pools[key] = {"desiredReplicas": desired, "readyReplicas": ready}
         if ready < desired:
-            lagging.append(f"{pool} {ready}/{desired}")
-        failing += [f"{pool}: {c.get('message', c.get('reason'))}" for c in ((workers or {}).get("status") or {})
+            lagging.append(f"{key} {ready}/{desired}")
+        failing += [f"{key}: {c.get('message', c.get('reason'))}" for c in ((workers or {}).get("status") or {})
                     .get("conditions", []) if c.get("type") == "ReplicaFailure" and c.get("status") == "True"]
     head = client.get("apps/v1", "Deployment", f"{name}-head", namespace)
     head_ready = int(((head or {}).get("status") or {}).get("readyReplicas", 0)) >= 1

@@ -10,13 +10,22 @@ keeps (`parse_deployment` raises InvalidRequestError naming the field otherwise)
   pool names `model.path` (a Hugging Face directory vLLM loads and the gateways tokenize with), runs no
   mocker and no planner (`dynctl serve`, where the planner runs, does not serve a pool of vLLM pods);
 - `model` gives at most one of `path` and `uri`; `env` sets only `DYN_*` variables that name a setting and
-  none the operator sets itself.
+  none the operator sets itself;
+- several models (`models`, each with its `model` and `pools`) or one (`model` and `pools`), never both; with
+  `models`, `model` and `pools` read as the first model's (the gateway's default model), the one-entry list
+  is the single-model form, and each model's pools are its own DynServePools (`builders.py`). The models share
+  one layout (every one aggregated, or every one disaggregated: `dynctl serve` on the head runs one layout for
+  all), one dtype, one `engine` and no planner (it scales the pools of one model); with several models each
+  names its weights (`path` or `uri`: the bundled model serves alone); none runs vLLM (a vLLM pool serves in the single-model form); no name a client
+  may ask for (a model's id or a `servedModelNames` alias) stands for two models.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -27,7 +36,7 @@ from dynserve.errors import InvalidRequestError
 
 __all__ = [
     "API_VERSION", "GROUP", "KIND", "POOL_KIND", "POOL_ROLES", "RUN_AS_UID", "VERSION", "DeploymentSpec",
-    "PoolSpec", "PoolResourceSpec", "SecuritySpec", "VllmSpec", "WorkersPoolSpec", "parse_deployment", "parse_pool",
+    "ModelEntry", "PoolSpec", "PoolResourceSpec", "SecuritySpec", "VllmSpec", "WorkersPoolSpec", "parse_deployment", "parse_pool",
 ]
 
 GROUP, VERSION = "dynserve.io", "v1alpha1"
@@ -255,6 +264,36 @@ class Pools(_Model):
         return self.workers.vllm if self.workers is not None and self.workers.engine == "vllm" else None
 
 
+def served_id(source: ModelSource) -> str | None:
+    """The id the gateway serves a model under (as `model.resolve.model_id_of` names it: a GGUF file's name up
+    to its first dot, a directory's name), or None for the image's bundled model."""
+    given = urlparse(source.uri).path if source.uri else source.path
+    if given is None:
+        return None
+    base = posixpath.basename(given.rstrip("/")) or "model.gguf"
+    return base.split(".")[0] if base.endswith(".gguf") or source.uri else base
+
+
+_ALIAS_PATTERN = r"^[^\s=]+$"
+
+
+class ModelEntry(_Model):
+    """One model of a deployment serving several (`spec.models`): its weights, its pools, the other names
+    clients may ask for it by."""
+
+    name: str = Field(min_length=1, max_length=20, pattern=r"^[a-z]([-a-z0-9]*[a-z0-9])?$", description="the "
+                      "model's key: its DynServePools and worker Deployments are NAME-MODEL-POOL (the first "
+                      "model's keep NAME-POOL)")
+    model: ModelSource = Field(default_factory=ModelSource, description="its weights, as spec.model: the first "
+                               "model's volume is mounted at /models, another's at /models/MODEL (its uri is "
+                               "fetched there)")
+    pools: Pools = Field(default_factory=lambda: Pools(workers=WorkersPoolSpec()), description="its workers, "
+                         "as spec.pools (every model with the same layout)")
+    served_model_names: list[Annotated[str, Field(min_length=1, max_length=128, pattern=_ALIAS_PATTERN)]] = Field(
+        default_factory=list, max_length=8, description="other names clients may ask for it by (the gateway's "
+        "--served-model-name)", json_schema_extra={"x-kubernetes-list-type": "set"})
+
+
 class EngineSpec(_Model):
     kv_cache_gib: float | None = Field(None, gt=0, description="each worker's KV cache")
     max_num_seqs: int | None = Field(None, ge=1)
@@ -356,12 +395,71 @@ class EnvVar(_Model):
     value: str
 
 
+def check_models(models: list[ModelEntry]) -> None:
+    """ValueError naming what makes `models` one fleet `dynctl serve` cannot run (see the module's invariants)."""
+    names = [entry.name for entry in models]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"the model name {twice[0]!r} is given twice: each model's pools are named after it")
+    layouts = {entry.name: entry.pools.workers is None for entry in models}
+    if len(set(layouts.values())) > 1:
+        raise ValueError("every model serves aggregated (workers) or every one disaggregated (prefill and "
+                         "decode): dynctl serve on the head runs one layout for all (" + ", ".join(
+                             f"{n}: {'disaggregated' if d else 'aggregated'}" for n, d in layouts.items()) + ")")
+    dtypes = {entry.name: entry.model.dtype for entry in models}
+    if len(set(dtypes.values())) > 1:
+        raise ValueError("every model runs one dtype (the head's dynctl serve gives its workers one): " + ", ".join(
+            f"{n}: {d}" for n, d in dtypes.items()))
+    for entry in models:
+        if entry.pools.vllm is not None:
+            raise ValueError(f"{entry.name}: a vLLM pool serves in the single-model form (spec.model and "
+                             "spec.pools)")
+    for entry in models if len(models) > 1 else []:
+        if served_id(entry.model) is None:
+            raise ValueError(f"{entry.name}: name its weights (model.path or model.uri): the image's bundled model "
+                             "serves a deployment of one model")
+    taken: dict[str, str] = {}
+    for entry in models:
+        model_id = served_id(entry.model)
+        for served_name in ([model_id] if model_id else []) + entry.served_model_names:
+            if taken.setdefault(served_name, entry.name) != entry.name:
+                raise ValueError(f"the name {served_name!r} stands for two models ({taken[served_name]} and "
+                                 f"{entry.name}): a client asking for it would get either")
+
+
+# the same rules for the API server (CEL; the names' uniqueness is the list's map key); a pool given without
+# `workers` is a disaggregated one
+_DISAGGREGATED = "has({0}.pools) && !has({0}.pools.workers)"
+_DTYPE = "(has({0}.model) && has({0}.model.dtype) ? {0}.model.dtype : 'float32')"
+_MODELS_RULES = [
+    {"rule": "!has(self.models) || self.models.all(m, (" + _DISAGGREGATED.format("m") + ") == ("
+             + _DISAGGREGATED.format("self.models[0]") + "))",
+     "message": "every model serves aggregated (workers) or every one disaggregated (prefill and decode)"},
+    {"rule": "!has(self.models) || self.models.all(m, " + _DTYPE.format("m") + " == " + _DTYPE.format(
+        "self.models[0]") + ")", "message": "every model runs one dtype"},
+    {"rule": "!has(self.models) || self.models.all(m, !has(m.pools) || !has(m.pools.workers) || "
+             "!has(m.pools.workers.engine) || m.pools.workers.engine != 'vllm')",
+     "message": "a vLLM pool serves in the single-model form (spec.model and spec.pools)"},
+    {"rule": "!has(self.models) || size(self.models) == 1 || self.models.all(m, has(m.model) && "
+             "(has(m.model.path) || has(m.model.uri)))",
+     "message": "with several models, each names its weights (model.path or model.uri)"},
+    {"rule": "!has(self.models) || size(self.models) == 1 || !has(self.planner) || !has(self.planner.enabled) || "
+             "!self.planner.enabled",
+     "message": "the planner scales the pools of one model: serve several models without it"},
+    {"rule": "!has(self.models) || !has(self.model) && !has(self.pools)",
+     "message": "give models (several models) or model and pools (one model), not both"},
+]
+
 _HAS_VLLM_POOL = ("has(self.pools) && has(self.pools.workers) && has(self.pools.workers.engine) && "
                   "self.pools.workers.engine == 'vllm'")
 
 
 class DeploymentSpec(_Model):
     model: ModelSource = Field(default_factory=ModelSource)
+    models: list[ModelEntry] | None = Field(
+        None, min_length=1, max_length=8, description="several models behind the one gateway, each with its own "
+        "pools (instead of model and pools; the first is the default model)",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     image: ImageSpec = Field(default_factory=ImageSpec)
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     pools: Pools = Field(default_factory=lambda: Pools(workers=WorkersPoolSpec()))
@@ -379,6 +477,7 @@ class DeploymentSpec(_Model):
     security: SecuritySpec = Field(default_factory=SecuritySpec)
 
     model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": [
+        *_MODELS_RULES,
         {"rule": f"!({_HAS_VLLM_POOL}) || has(self.model) && has(self.model.path)",
          "message": "a vLLM pool needs model.path: a Hugging Face directory vLLM loads and the gateways tokenize with"},
         {"rule": f"!({_HAS_VLLM_POOL}) || !has(self.planner) || !has(self.planner.enabled) || !self.planner.enabled",
@@ -386,6 +485,30 @@ class DeploymentSpec(_Model):
                     "DynServePool (kubectl scale, an HPA)"},
         {"rule": f"!({_HAS_VLLM_POOL}) || !has(self.engine) || !has(self.engine.mocker)",
          "message": "engine.mocker simulates dynserve's engine, not vLLM"}]})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("models") is not None:
+            both = [key for key in ("model", "pools") if data.get(key) is not None]
+            if both:
+                raise ValueError(f"give models (several models, each with its model and pools) or model and pools "
+                                 f"(one model), not both: {' and '.join(both)} beside models")
+        return data
+
+    @field_validator("models")
+    @classmethod
+    def _models_one_fleet(cls, models: list[ModelEntry] | None) -> list[ModelEntry] | None:
+        if models is not None:
+            check_models(models)
+        return models
+
+    @model_validator(mode="after")
+    def _first_model_is_the_default(self) -> DeploymentSpec:
+        if self.models is None:
+            return self
+        first = self.models[0]
+        return self.model_copy(update={"model": first.model, "pools": first.pools})
 
     @field_validator("pools")
     @classmethod
@@ -408,6 +531,9 @@ class DeploymentSpec(_Model):
     @field_validator("planner")
     @classmethod
     def _no_planner_for_vllm(cls, planner: PlannerSpec, info: ValidationInfo) -> PlannerSpec:
+        if planner.enabled and len(info.data.get("models") or []) > 1:
+            raise ValueError("the planner scales the pools of one model: serve several models without it (scale "
+                             "each model's DynServePools: kubectl scale, an HPA)")
         pools = info.data.get("pools")
         if pools is not None and pools.vllm is not None and planner.enabled:
             raise ValueError("the planner runs in dynctl serve, which does not serve a pool of vLLM pods yet: "
@@ -424,6 +550,12 @@ class DeploymentSpec(_Model):
                 raise ValueError(f"{var.name} is set by the operator from the spec")
         return env
 
+    def served_models(self) -> list[ModelEntry]:
+        """Each model the deployment serves, the default (first) one first: `models`, or the single-model form
+        as its one entry."""
+        return list(self.models) if self.models is not None else [ModelEntry(name="default", model=self.model,
+                                                                              pools=self.pools)]
+
     @property
     def disaggregated(self) -> bool:
         return self.pools.workers is None
@@ -433,6 +565,8 @@ class PoolResourceSpec(_Model):
     """A `DynServePool`: one pool of a `DynServeDeployment`, the unit its `/scale` subresource scales."""
 
     deployment: str = Field(min_length=1, description="the DynServeDeployment it belongs to")
+    model: str | None = Field(None, description="the name of the deployment's model (spec.models) it serves, "
+                              "unless that is the first (the default) one")
     pool: Literal["workers", "prefill", "decode"]
     replicas: int = Field(ge=0)
     min_replicas: int = Field(0, ge=0)
