@@ -125,7 +125,7 @@ def test_a_model_whose_worker_joins_is_served_within_a_second_and_leaves_with_it
 
 
 @pytest.mark.parametrize(("extra", "words"), [
-    (["--planner"], "the planner scales the pools of one model"),
+    (["--planner", "--planner-kubernetes", "ns/fleet"], "--planner-kubernetes scales the DynServePools of one"),
     ([], "is given twice"),
 ])
 def test_serve_refuses_what_several_models_cannot_do_before_ray_starts(extra: list[str], words: str) -> None:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dynserve.planner.core import Observation, PlannerConfig, PlannerCore, PoolObservation
+from dynserve.planner.core import Decision, Observation, PlannerConfig, PlannerCore, PoolObservation, SharedBudget
 from dynserve.planner.predictors import ConstantPredictor, EwmaPredictor, HoltPredictor, make_predictor
 from dynserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 
@@ -209,3 +209,36 @@ def test_load_mode_waits_for_starting_workers_before_growing_again() -> None:
     assert core.decide(Observation(0.0, slow, 5.0, ISL, OSL)).targets["prefill"] == 5
     starting = {"prefill": PoolObservation(1, ttft_s=1.0, num_starting=4), "decode": PoolObservation(1, itl_s=0.01)}
     assert core.decide(Observation(INTERVAL_S, starting, 5.0, ISL, OSL)).targets["prefill"] == 5
+
+
+def test_models_sharing_a_budget_hand_workers_to_the_one_with_load() -> None:
+    budget = SharedBudget(8)
+    chat, coder = (PlannerCore(_config(max_step_up=10, predictor="constant"),
+                               ("prefill", "decode"), _profile(), budget=budget, member=name)
+                   for name in ("chat", "coder"))
+    for name in ("chat", "coder"):  # what each starts with
+        budget.record(name, 2, squeezed=False)
+    chat_busy = _run(chat, [40.0] * 3)  # chat alone is busy: it takes all the coder leaves
+    _run(coder, [0.5] * 3)
+    assert chat_busy[-1] == {"prefill": 3, "decode": 3} and budget.decided() == {"chat": 6, "coder": 2}
+    # the load moves to the coder: it wants more than the budget leaves, and is cut
+    wanted = _observe(coder, 3, 40.0)
+    assert wanted == {"prefill": 1, "decode": 1} and budget.others_squeezed("chat")
+    # chat, now quiet, gives its spare workers at once (no down delay), and the coder takes them
+    yielded = core_decision(chat, 4, 0.5)
+    assert yielded.targets == {"prefill": 1, "decode": 1}
+    assert set(yielded.reasons.values()) == {"yield"}
+    assert _observe(coder, 4, 40.0) == {"prefill": 3, "decode": 3}
+    assert budget.decided() == {"chat": 2, "coder": 6}  # chat at its floor: the coder has all the rest
+    for step in range(5, 12):  # whoever decides, the total stays within the budget
+        core_decision(chat, step, 0.5 if step < 8 else 40.0)
+        _observe(coder, step, 40.0)
+        assert sum(budget.decided().values()) <= 8, budget.decided()
+    with pytest.raises(ValueError, match="at least one"):
+        SharedBudget(0)
+
+
+def core_decision(core: PlannerCore, step: int, rate: float) -> Decision:
+    targets = core.targets or {p: 1 for p in core.pools}
+    pools = {p: PoolObservation(num_workers=targets[p], num_running=rate * 2) for p in core.pools}
+    return core.decide(Observation(step * INTERVAL_S, pools, rate, ISL, OSL))

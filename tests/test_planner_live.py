@@ -1,7 +1,9 @@
-"""The planner live: `dynctl serve --planner` over a mocker pool, reading a real Prometheus it runs. A step of
-load makes it add workers within 3 intervals; idleness takes the pool down (to zero, with `--planner-idle-s`)
-and the next request wakes it and is served, not refused; a manual override holds; no request fails
-throughout. (The decisions themselves are tested on synthetic observations in tests/test_planner_core.py.)"""
+"""The planner live: `dynctl serve --planner` over mocker pools of two models, reading a real Prometheus it
+runs, one planner loop per model within one shared budget. A step of load on the default model makes it add
+workers within 3 intervals; idleness takes a model's pool down (to zero, with `--planner-idle-s`) and the
+next request for that model wakes it and is served, not refused, whatever the other model does; a manual
+override holds; no request fails throughout. (The decisions themselves are tested on synthetic observations
+in tests/test_planner_core.py; the readers' queries and the series here, without a fleet.)"""
 
 from __future__ import annotations
 
@@ -15,20 +17,27 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from conftest import local_dynctl_serve, needs
+from dynserve.model.resolve import default_model_path
 from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
+from dynserve.planner.core import PlannerConfig, PlannerCore
+from dynserve.planner.live import FleetPlannerMetrics, PlannerMetrics, PrometheusReader
 
 DYNCTL = str(Path(sys.executable).with_name("dynctl"))
 MODEL = "SmolLM2-135M-Instruct"
+SECOND = "second-model"  # a second id for the same GGUF (a mocker reads only its tokenizer)
 INTERVAL_S = 2.0
-# mockers of this machine's engine at 10x: the shipped `cpu` capacity profile, scaled by the speedup
+# mockers of this machine's engine at 10x: the shipped `cpu` capacity profile, scaled by the speedup; the
+# default model's pool may grow to 4 while the second model holds its one worker: a budget of 5
 COMMAND = [DYNCTL, "serve", "--mocker", "cpu", "--mocker-speedup", "10", "--workers", "1", "--planner",
            "--planner-interval-s", str(INTERVAL_S), "--planner-window-s", "3", "--scrape-interval-s", "1",
            "--planner-ttft-ms", "150", "--planner-itl-ms", "15", "--planner-max-workers", "4",
-           "--planner-idle-s", "20", "--port", "0"]
+           "--planner-max-total-workers", "5", "--planner-idle-s", "20", "--port", "0"]
 
 
 class _Watch:
@@ -75,6 +84,30 @@ async def _load(url: str, concurrency: int, duration_s: float) -> list[int]:
     return statuses
 
 
+def test_a_models_planner_reads_only_its_models_series() -> None:
+    fleet_wide = PrometheusReader(None, ("both",), window_s=3).queries()  # type: ignore[arg-type]
+    own = PrometheusReader(None, ("both",), window_s=3, model="coder").queries()  # type: ignore[arg-type]
+    assert "waiting_for_worker" in fleet_wide and "waiting_for_worker" not in own  # the gateway's gauge is
+    assert own["rate"] == 'sum(rate(dynserve_requests_admitted_total{model="coder"}[3s]))'  # fleet-wide
+    assert all('{model="coder"}' in expr for expr in own.values()), own
+    assert not any("model=" in expr for expr in fleet_wide.values())
+    at_one_minute = PrometheusReader(None, ("both",), model="coder").queries()  # type: ignore[arg-type]
+    assert at_one_minute["isl"].startswith('sum(rate(dynserve_request_prompt_tokens_sum{model="coder"}[1m]))')
+
+
+def test_every_models_planner_series_carry_its_model_in_one_collector() -> None:
+    config = PlannerConfig(mode="load")
+    parts = [PlannerMetrics(PlannerCore(config, ("both",)), lambda n=n: {"both": n}, model=name)
+             for n, name in ((2, "chat"), (0, "coder"))]
+    registry = CollectorRegistry()
+    registry.register(FleetPlannerMetrics(parts))
+    text = generate_latest(registry).decode()
+    assert 'dynserve_planner_workers_serving{model="chat",pool="both"} 2.0' in text
+    assert 'dynserve_planner_workers_serving{model="coder",pool="both"} 0.0' in text
+    assert text.count("# TYPE dynserve_planner_workers_serving gauge") == 1
+    assert 'dynserve_planner_target_latency_seconds{kind="itl",model="coder"}' in text
+
+
 @pytest.fixture(scope="module")
 def prometheus_url() -> Iterator[list[str]]:
     yield []  # filled by `fleet`
@@ -82,16 +115,19 @@ def prometheus_url() -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 @needs('fleet', 'ray', 'services')
-def fleet(prometheus_url: list[str]) -> Iterator[str]:
-    with local_dynctl_serve(COMMAND, 180) as served:
-        assert "Planner: sla mode" in served.banner, served.banner
-        # Prometheus hands new targets to its scrapers every 5 s: the fleet is watched once both are up
+def fleet(prometheus_url: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    second = tmp_path_factory.mktemp("models") / f"{SECOND}.gguf"
+    second.symlink_to(default_model_path().resolve())
+    with local_dynctl_serve([*COMMAND, "--model", str(default_model_path()), "--model", str(second)],
+                            180) as served:
+        assert "Planner: sla mode" in served.banner and SECOND in served.banner, served.banner
+        # Prometheus hands new targets to its scrapers every 5 s: the fleet is watched once all are up
         match = re.search(r"Prometheus: (http://\S+?)[;\s]", served.banner)
         assert match is not None, served.banner
         prometheus_url.append(match.group(1))
         with PrometheusClient(match.group(1)) as prometheus:
             deadline_s = time.monotonic() + 30
-            while [t.health for t in prometheus.targets()] != ["up", "up"]:
+            while [t.health for t in prometheus.targets()] != ["up"] * 3:  # the gateway, a worker per model
                 assert time.monotonic() < deadline_s, prometheus.targets()
                 time.sleep(0.2)
         yield f"http://127.0.0.1:{served.port}"
@@ -127,6 +163,26 @@ def test_a_load_step_scales_up_within_3_intervals_and_idleness_scales_to_zero_an
         watch.stop()
 
 
+def test_a_second_model_idles_to_zero_on_its_own_and_its_next_request_wakes_it(fleet: str) -> None:
+    def second() -> dict[str, Any]:
+        return httpx.get(f"{fleet}/planner", timeout=10).json()["models"][SECOND]
+
+    deadline_s = time.monotonic() + 60  # never sent a request: idle since the start
+    while not (second()["targets"]["both"] == second()["serving"]["both"] == 0):
+        assert time.monotonic() < deadline_s, second()
+        time.sleep(0.5)
+    client = openai.OpenAI(base_url=f"{fleet}/v1", api_key="unused", timeout=120, max_retries=0)
+    woken_s = time.monotonic()
+    answer = client.chat.completions.create(model=SECOND, max_tokens=4,
+                                            messages=[{"role": "user", "content": "hi"}])
+    assert answer.model == SECOND and answer.choices[0].finish_reason == "length"  # held, then served
+    assert time.monotonic() - woken_s < 30
+    assert second()["serving"]["both"] >= 1
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.chat.completions.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert refused.value.code == "model_not_found"
+
+
 def test_a_manual_override_holds_until_released(fleet: str, prometheus_url: list[str]) -> None:
     with httpx.Client(timeout=10) as http:
         state = http.put(f"{fleet}/planner/pools/both", json={"workers": 2}).json()
@@ -148,5 +204,8 @@ def test_a_manual_override_holds_until_released(fleet: str, prometheus_url: list
             assert answered[title], (title, answered)
         assert http.delete(f"{fleet}/planner/pools/both").json()["overrides"] == {}
         metrics = http.get(f"{fleet}/metrics").text
-        assert 'dynserve_planner_workers_target{pool="both"}' in metrics
-        assert 'dynserve_planner_decisions_total{pool="both",reason="override"} 1.0' in metrics
+        assert f'dynserve_planner_workers_target{{model="{MODEL}",pool="both"}}' in metrics
+        assert f'dynserve_planner_workers_target{{model="{SECOND}",pool="both"}}' in metrics
+        assert (f'dynserve_planner_decisions_total{{model="{MODEL}",pool="both",reason="override"}} 1.0'
+                in metrics)
+        assert http.put(f"{fleet}/planner/pools/both?model=nope", json={"workers": 1}).status_code == 404

@@ -7,7 +7,9 @@ request for a fleet at zero, and serves the manual override on the gateway:
     PUT    /planner/pools/{pool}     {"workers": N}: hold the pool at N until released
     DELETE /planner/pools/{pool}     release the override
 
-(behind the API key when one is set).
+(behind the API key when one is set). Serving several models, each has its own planner (its pools, read from
+its own series by their `model` label) and all share `--planner-max-total-workers`: `GET /planner` gives the
+default model's at the top and every model's under `models`; the override routes take `?model=ID`.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 from dynserve.gateway.errors import ApiError
 from dynserve.observability.promql import PrometheusClient
-from dynserve.planner.core import PlannerConfig, PlannerCore
-from dynserve.planner.live import PlannerLoop, PlannerMetrics, PoolActuator, PrometheusReader
+from dynserve.planner.core import PlannerConfig, PlannerCore, SharedBudget
+from dynserve.planner.live import FleetPlannerMetrics, PlannerLoop, PlannerMetrics, PoolActuator, PrometheusReader
 
-__all__ = ["Planning", "planner_config", "planner_settings"]
+__all__ = ["ModelPlanner", "Planning", "planner_config", "planner_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,72 +106,118 @@ def _kubernetes_actuator(where: str, core: PlannerCore, serving: Any) -> Any:
                               on_hand_set=hand_set, serving=serving)
 
 
-class Planning:
-    """The planner of one `dynctl serve`: `start(prometheus_url)` once Prometheus is up, `stop()` on the way
-    out."""
+@dataclasses.dataclass(slots=True)
+class ModelPlanner:
+    """One model's planner: its core, the actuator of its pools, its series, and its loop once started."""
 
-    def __init__(self, settings: Settings, pools: dict[str, Any], app: Any) -> None:
+    model_id: str
+    core: PlannerCore
+    actuator: Any
+    metrics: PlannerMetrics
+    loop: PlannerLoop | None = None
+    task: asyncio.Task[None] | None = None
+
+    def state(self, mode: str) -> dict[str, Any]:
+        decision = self.loop.decisions[-1] if self.loop is not None and self.loop.decisions else None
+        return {
+            "mode": mode, "pools": list(self.core.pools),
+            "targets": self.actuator.current(), "serving": self.actuator.serving(),
+            "overrides": self.core.overrides,
+            "last_decision": None if decision is None else finite_or_none(dataclasses.asdict(decision)),
+        }
+
+
+class Planning:
+    """The planners of one `dynctl serve`, one per model (`pools`: model id -> pool name -> pool, the default
+    model first), sharing `--planner-max-total-workers` when there are several; `start(prometheus_url)` once
+    Prometheus is up, `stop()` on the way out."""
+
+    def __init__(self, settings: Settings, pools: dict[str, dict[str, Any]], app: Any) -> None:
         self.settings = settings
-        self.core = PlannerCore(planner_config(settings), tuple(pools), _profile(settings))
-        self.actuator: Any = PoolActuator(pools)
-        if settings.planner_kubernetes:  # the operator's fleet: pools follow pods; the planner scales the pods
-            self.actuator = _kubernetes_actuator(settings.planner_kubernetes, self.core, self.actuator.serving)
-        self.metrics = PlannerMetrics(self.core, self.actuator.serving)
-        self.loop: PlannerLoop | None = None
-        self._task: asyncio.Task[None] | None = None
+        config = planner_config(settings)
+        budget = None
+        if len(pools) > 1 and config.max_total_workers is not None:  # one budget across the models' planners
+            budget = SharedBudget(config.max_total_workers)
+            config = dataclasses.replace(config, max_total_workers=None)
+        profile = _profile(settings)
+        self.models: dict[str, ModelPlanner] = {}
+        for model_id, model_pools in pools.items():
+            core = PlannerCore(config, tuple(model_pools), profile, budget=budget, member=model_id)
+            actuator: Any = PoolActuator(model_pools)
+            if settings.planner_kubernetes:  # the operator's fleet: pools follow pods; the planner scales the pods
+                actuator = _kubernetes_actuator(settings.planner_kubernetes, core, actuator.serving)
+            self.models[model_id] = ModelPlanner(model_id, core, actuator,
+                                                 PlannerMetrics(core, actuator.serving, model=model_id))
+        self.default = next(iter(self.models.values()))
+        self.budget = budget
+        if budget is not None:  # until a model's first decision, the workers its pools start with are its share
+            for planner in self.models.values():
+                budget.record(planner.model_id, sum(planner.actuator.current().values()), squeezed=False)
         self._client: PrometheusClient | None = None
         self._gateway = app.state
-        app.state.metrics.registry.register(self.metrics)
+        app.state.metrics.registry.register(FleetPlannerMetrics([p.metrics for p in self.models.values()]))
         app.state.on_waiting_for_worker = self.wake
         self._add_routes(app)
 
     def start(self, prometheus_url: str) -> None:
         self._client = PrometheusClient(prometheus_url)
         statistic = "mean" if self.settings.planner_mode == "sla" else "0.9"
-        reader = PrometheusReader(self._client, self.core.pools, window_s=self.settings.planner_window_s,
-                                  statistic=statistic)
-        self.loop = PlannerLoop(self.core, reader, self.actuator, metrics=self.metrics,
-                                serving=self.actuator.serving,
-                                waiting_for_worker=lambda: self._gateway.num_waiting_for_worker)
-        self._task = asyncio.get_running_loop().create_task(self.loop.run(), name="planner")
-        logger.info("planner: %s mode, pools %s, every %g s", self.settings.planner_mode,
-                    ", ".join(self.core.pools), self.settings.planner_interval_s)
+        several = len(self.models) > 1
+        for planner in self.models.values():
+            reader = PrometheusReader(self._client, planner.core.pools, window_s=self.settings.planner_window_s,
+                                      statistic=statistic, model=planner.model_id if several else None)
+            planner.loop = PlannerLoop(
+                planner.core, reader, planner.actuator, metrics=planner.metrics, serving=planner.actuator.serving,
+                waiting_for_worker=lambda m=planner.model_id: self._gateway.waiting_for_worker_by_model.get(m, 0))
+            planner.task = asyncio.get_running_loop().create_task(planner.loop.run(),
+                                                                  name=f"planner-{planner.model_id}")
+        budget = "" if self.budget is None else f", sharing a budget of {self.budget.total} workers"
+        logger.info("planner: %s mode, %s, every %g s%s", self.settings.planner_mode,
+                    "; ".join(f"{p.model_id}: pools {', '.join(p.core.pools)}" for p in self.models.values()),
+                    self.settings.planner_interval_s, budget)
 
-    def wake(self) -> None:
-        if self.loop is not None:
-            self.loop.wake()
+    def wake(self, model_id: str | None = None) -> None:
+        """Decide now for `model_id` (default: every model): a request waits for one of its workers."""
+        for planner in self.models.values():
+            if planner.loop is not None and model_id in (None, planner.model_id):
+                planner.loop.wake()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for planner in self.models.values():
+            if planner.task is not None:
+                planner.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await planner.task
         if self._client is not None:
             self._client.close()
 
     def state(self) -> dict[str, Any]:
-        decision = self.loop.decisions[-1] if self.loop is not None and self.loop.decisions else None
-        return {
-            "mode": self.settings.planner_mode, "pools": list(self.core.pools),
-            "targets": self.actuator.current(), "serving": self.actuator.serving(),
-            "overrides": self.core.overrides,
-            "last_decision": None if decision is None else finite_or_none(dataclasses.asdict(decision)),
-        }
+        """The default model's planner (its keys at the top), and every model's under `models`."""
+        mode = self.settings.planner_mode
+        return {**self.default.state(mode), "models": {m: p.state(mode) for m, p in self.models.items()},
+                "budget": None if self.budget is None else {"total": self.budget.total,
+                                                            "decided": self.budget.decided()}}
 
     def _add_routes(self, app: Any) -> None:
         api, gateway_state = app.api, app.state
 
-        def check(request: Request, pool: str | None = None) -> None:
+        def check(request: Request, pool: str | None = None) -> ModelPlanner:
             gateway_state.check_api_key(request.headers.get("authorization"))
-            if pool is not None and pool not in self.core.pools:
-                raise ApiError(404, f"no pool {pool!r}; pools: {', '.join(self.core.pools)}", param="pool")
+            model = request.query_params.get("model")
+            planner = self.default if model is None else self.models.get(model)
+            if planner is None:
+                raise ApiError(404, f"no planner for model {model!r}; models: {', '.join(self.models)}",
+                               param="model")
+            if pool is not None and pool not in planner.core.pools:
+                raise ApiError(404, f"no pool {pool!r}; pools: {', '.join(planner.core.pools)}", param="pool")
+            return planner
 
         async def get_state(request: Request) -> dict[str, Any]:
             check(request)
             return self.state()
 
         async def put_override(pool: str, request: Request) -> dict[str, Any]:
-            check(request, pool)
+            planner = check(request, pool)
             try:
                 body = await request.json()
             except ValueError:
@@ -178,22 +226,22 @@ class Planning:
             if not isinstance(workers, int) or isinstance(workers, bool):
                 raise ApiError(400, 'the body must be {"workers": N}', param="workers")
             try:
-                self.core.override(pool, workers)
+                planner.core.override(pool, workers)
             except ValueError as exc:
                 raise ApiError.from_invalid(InvalidRequestError(str(exc), param="workers")) from None
-            self.wake()
+            self.wake(planner.model_id)
             return self.state()
 
         async def delete_override(pool: str, request: Request) -> dict[str, Any]:
-            check(request, pool)
-            self.core.release(pool)
-            self.wake()
+            planner = check(request, pool)
+            planner.core.release(pool)
+            self.wake(planner.model_id)
             return self.state()
 
         api.add_api_route("/planner", get_state, methods=["GET"], tags=["planner"],
-                          summary="the planner's pools, overrides and last decision")
+                          summary="the planners' pools, overrides and last decisions (every model's)")
         api.add_api_route("/planner/pools/{pool}", put_override, methods=["PUT"], tags=["planner"],
-                          summary='hold a pool at {"workers": N} until released')
+                          summary='hold a pool at {"workers": N} until released (?model=ID: not the default '
+                          "model's)")
         api.add_api_route("/planner/pools/{pool}", delete_override, methods=["DELETE"], tags=["planner"],
-                          summary="release a pool's override")
-
+                          summary="release a pool's override (?model=ID: not the default model's)")

@@ -201,9 +201,10 @@ def check_layout(settings: Settings) -> None:
     if settings.extra_models:
         from dynserve.model.resolve import model_id_of, resolve_model_path
 
-        if settings.planner:
-            raise InvalidRequestError("the planner scales the pools of one model; serve several models without "
-                                      "--planner (each keeps the workers its flags give)", param="planner")
+        if settings.planner and settings.planner_kubernetes:
+            raise InvalidRequestError("--planner-kubernetes scales the DynServePools of one model; with several "
+                                      "models run the planner in `dynctl serve` (one loop per model)",
+                                      param="planner_kubernetes")
         ids = [model_id_of(resolve_model_path(m)) for m in [settings.model, *settings.extra_models]]
         twice = sorted({i for i in ids if ids.count(i) > 1})
         if twice:
@@ -255,8 +256,13 @@ async def _serve(settings: Settings, tokenizers: list[Any]) -> None:
         if settings.planner:
             from dynserve.cli.planning import Planning
 
-            planning = Planning(settings, {role: pool for (_name, role, _n), (pool, _) in zip(layout, pools,
-                                                                                             strict=True)}, app)
+            from dynserve.model.resolve import model_id_of, resolve_model_path
+
+            per_model = len(layout)  # each model's pools, in `pools`' order: one planner per model
+            planning = Planning(settings, {
+                model_id_of(resolve_model_path(model)): {
+                    pool.role: pool for pool, _n in pools[i * per_model:(i + 1) * per_model]}
+                for i, model in enumerate(models)}, app)
 
         async def announce(port: int) -> None:
             prometheus_url = settings.prometheus_url

@@ -213,17 +213,19 @@ def _add_ops_routes(api: FastAPI, state: GatewayState, backend: Backend) -> None
     @api.get("/metrics/targets", dependencies=[Depends(check_metrics_key)], tags=["ops"],
              summary="Prometheus HTTP service discovery: this gateway and its workers' metrics endpoints")
     async def metrics_targets(request: Request) -> list[dict[str, Any]]:
-        return scrape_targets(request.headers.get("host", f"{state.settings.host}:{state.settings.port}"), backend)
+        return scrape_targets(request.headers.get("host", f"{state.settings.host}:{state.settings.port}"),
+                              [served.backend for served in state.models.values()])
 
 
-def scrape_targets(gateway_address: str, backend: Backend) -> list[dict[str, Any]]:
+def scrape_targets(gateway_address: str, backends: list[Backend]) -> list[dict[str, Any]]:
     """Prometheus's HTTP SD document for the fleet this gateway serves: the gateway (at the address its
-    scraper reached it by) and every member worker that serves metrics, one target group each, labelled
+    scraper reached it by) and every member worker of every model's `backends` that serves metrics, one target
+    group each, labelled
     `component` (dynserve workers' series carry their own `worker_id`, `role`, `model`; another engine's
     worker gets them, and `worker_engine`, as target labels). The registry decides the
     members, so a worker that joins is listed by the next refresh and one that leaves or dies is not."""
     groups: list[dict[str, Any]] = [{"targets": [gateway_address], "labels": {"component": "gateway"}}]
-    for _pool, dispatcher in backend.pools():
+    for _pool, dispatcher in [pool for backend in backends for pool in backend.pools()]:
         channels = dispatcher.directory.channels
         for worker_id in sorted(channels):
             info = channels[worker_id].info

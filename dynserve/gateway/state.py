@@ -48,9 +48,11 @@ class GatewayState:
     more_models: list[ServedModel] = field(default_factory=list)
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     num_inflight: int = 0
-    # called when a request starts waiting for a worker (`Settings.worker_wait_s`): a planner's wake-up
-    on_waiting_for_worker: Callable[[], None] | None = None
+    # called with the model's id when a request starts waiting for a worker of it (`Settings.worker_wait_s`):
+    # a planner's wake-up
+    on_waiting_for_worker: Callable[[str], None] | None = None
     num_waiting_for_worker: int = 0
+    waiting_for_worker_by_model: dict[str, int] = field(default_factory=dict)
     admission: Admission | None = None  # with Settings.admission_ttft_ms: the TTFT-keeping admission limit
     models: dict[str, ServedModel] = field(init=False)  # by id, the default first
     names: dict[str, ServedModel] = field(init=False)  # by every name a client may send: ids and aliases
@@ -131,18 +133,21 @@ class GatewayState:
         wait_s = self.settings.worker_wait_s
         if wait_s <= 0 or backend.is_ready():
             return
+        model_id = backend.model_id
         gauge = self.metrics.waiting_for_worker
         gauge.inc()
         self.num_waiting_for_worker += 1
+        self.waiting_for_worker_by_model[model_id] = self.waiting_for_worker_by_model.get(model_id, 0) + 1
         try:
             if self.on_waiting_for_worker is not None:
-                self.on_waiting_for_worker()
+                self.on_waiting_for_worker(model_id)
             deadline_s = time.monotonic() + wait_s
             while not backend.is_ready() and time.monotonic() < deadline_s:
                 await asyncio.sleep(0.05)
         finally:
             gauge.dec()
             self.num_waiting_for_worker -= 1
+            self.waiting_for_worker_by_model[model_id] -= 1
 
     def admit(self, served: ServedModel | None = None) -> None:
         if not (self.backend if served is None else served.backend).is_ready():

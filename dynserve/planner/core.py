@@ -26,6 +26,12 @@ to at least one worker) when a request arrives for a fleet at zero (the gateway 
 **manual override** (`override`) fixes a pool's count until `release`, and the budget left to the others
 shrinks by it.
 
+Several models, one budget: each model has its own core (its own pools, predictors and corrections) and all
+share a `SharedBudget`. A core may grow only into what the other models leave (`allowance`); a core the budget
+cut is `squeezed`, and while another model is squeezed every other core shrinks its pools that carry more
+than they need at once (reason `yield`: no down delay, no step limit, never below the pool's floor), so the
+workers move to where the load is.
+
 Invariants: every decided count is within [0, max_workers] of its pool (an override within [0, its max]);
 the decided counts never exceed `max_total_workers` unless overrides alone do; below `min_workers` only
 when idle (scale to zero) or overridden.
@@ -43,7 +49,7 @@ from dynserve.planner.predictors import PredictorName, make_predictor
 if TYPE_CHECKING:
     from dynserve.planner.profile import CapacityProfile
 
-__all__ = ["POOLS", "Decision", "Observation", "PlannerConfig", "PlannerCore", "PoolObservation"]
+__all__ = ["POOLS", "Decision", "Observation", "PlannerConfig", "PlannerCore", "PoolObservation", "SharedBudget"]
 
 POOLS = ("prefill", "decode", "both")
 _SERVING = ("decode", "both")  # a fleet needs one of these to answer at all (prefill alone cannot)
@@ -110,8 +116,8 @@ class PlannerConfig:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The worker count each pool should have, why (`reasons`: sla_up, sla_down, load_up, load_down, hold,
-    idle, wake, override, budget, bound), and what the SLA mode predicted and needed (NaN in load mode)."""
+    """The worker count each pool should have, why (`reasons`: sla_up, sla_down, load_up, load_down, yield,
+    hold, idle, wake, override, budget, bound), and what the SLA mode predicted and needed (NaN in load mode)."""
 
     now_s: float
     targets: dict[str, int]
@@ -127,10 +133,42 @@ class Decision:
         return {pool: n for pool, n in self.targets.items() if previous.get(pool) != n}
 
 
+class SharedBudget:
+    """`total` workers shared by the cores of several models (members, by name): what each has decided, and
+    which of them the budget cut at their last decision."""
+
+    def __init__(self, total: int) -> None:
+        if total < 1:
+            raise ValueError(f"a shared budget needs at least one worker, not {total}")
+        self.total = total
+        self._decided: dict[str, int] = {}
+        self._squeezed: set[str] = set()
+
+    def allowance(self, member: str) -> int:
+        """The workers `member` may have: the total less what the others have decided."""
+        return self.total - sum(n for other, n in self._decided.items() if other != member)
+
+    def others_squeezed(self, member: str) -> bool:
+        return bool(self._squeezed - {member})
+
+    def record(self, member: str, num_workers: int, *, squeezed: bool) -> None:
+        self._decided[member] = num_workers
+        if squeezed:
+            self._squeezed.add(member)
+        else:
+            self._squeezed.discard(member)
+
+    def decided(self) -> dict[str, int]:
+        return dict(self._decided)
+
+
 class PlannerCore:
     """Decides each pool's worker count, one `decide` per interval (see the module doc)."""
 
-    def __init__(self, config: PlannerConfig, pools: Sequence[str], profile: CapacityProfile | None = None) -> None:
+    def __init__(self, config: PlannerConfig, pools: Sequence[str], profile: CapacityProfile | None = None, *,
+                 budget: SharedBudget | None = None, member: str = "") -> None:
+        """`budget` shared with other models' cores (`member`: this core's name in it), on top of
+        `config.max_total_workers`."""
         unknown = [p for p in pools if p not in POOLS]
         if unknown or not pools:
             raise ValueError(f"pools must be some of {POOLS}, got {list(pools)}")
@@ -141,6 +179,8 @@ class PlannerCore:
                 raise ValueError(f"pool {pool}: min_workers {config.min_of(pool)} and max_workers "
                                  f"{config.max_of(pool)} are not 0 <= min <= max")
         self.config, self.pools, self.profile = config, tuple(pools), profile
+        self.budget, self.member = budget, member
+        self._yielding = False  # another model is squeezed by the shared budget: shrink what is spare at once
         self._rate, self._isl, self._osl = (make_predictor(config.predictor) for _ in range(3))
         self._observed_rate = 0.0
         self._last_full_s: float | None = None
@@ -178,6 +218,7 @@ class PlannerCore:
             p: observation.pools[p].num_workers if p in observation.pools else config.min_of(p) for p in self.pools}
         full = self._last_full_s is None or now_s - self._last_full_s >= 0.5 * config.interval_s
         active = self._note_activity(observation)
+        self._yielding = self.budget is not None and self.budget.others_squeezed(self.member)
         needs = dict.fromkeys(self.pools, NAN)
         if not full:
             targets, reasons = dict(current), dict.fromkeys(self.pools, "hold")
@@ -210,6 +251,9 @@ class PlannerCore:
         for pool, num in self._overrides.items():
             targets[pool], reasons[pool] = num, "override"
         self._apply_budget(targets, reasons, needs, keep_serving=not idle)
+        if self.budget is not None:
+            self.budget.record(self.member, sum(targets.values()),
+                               squeezed=any(reasons[p] == "budget" for p in self.pools))
         self.targets = dict(targets)
         return Decision(now_s, targets, reasons, needs, dict(self.corrections), _or_nan(self._rate.predict()),
                         _or_nan(self._isl.predict()), _or_nan(self._osl.predict()))
@@ -329,6 +373,9 @@ class PlannerCore:
         if not lower:
             self._lower_streak[pool] = 0
             return min(now, config.max_of(pool)), "hold" if now <= config.max_of(pool) else "bound"
+        if self._yielding:  # another model waits for workers: what this pool does not need goes now
+            self._lower_streak[pool] = 0
+            return max(to, 0), "yield"
         self._lower_streak[pool] += 1
         if self._lower_streak[pool] < config.down_delay_intervals:
             return now, "hold"
@@ -337,11 +384,14 @@ class PlannerCore:
 
     def _apply_budget(self, targets: dict[str, int], reasons: dict[str, str], needs: Mapping[str, float], *,
                       keep_serving: bool) -> None:
-        """Trim the planned pools until the total fits `max_total_workers`: each time the pool with the most
-        workers per unit of need (the most to spare) gives one, never below its min nor, while the fleet
+        """Trim the planned pools until the total fits `max_total_workers` and the shared budget's allowance:
+        each time the pool with the most workers per unit of need (the most to spare) gives one, never below its min nor, while the fleet
         serves (`keep_serving`), a serving pool below one worker: overrides and floors that alone exceed the
         budget hold."""
         budget = self.config.max_total_workers
+        if self.budget is not None:
+            allowance = self.budget.allowance(self.member)
+            budget = allowance if budget is None else min(budget, allowance)
         if budget is None:
             return
 

@@ -1,15 +1,18 @@
 """The planner live: thin connectors around the pure core (`core.py`).
 
 - `PrometheusReader` turns the fleet's metrics into an `Observation`: the gateway's rate of admitted requests
-  (the offered load) and the mean ISL and OSL of finished ones, and per pool (the workers' `role`) its TTFT and ITL (the mean in the sla mode, whose corrections
-  compare it with the profile's expected mean; a quantile, p90 by default, in the load mode), queued and
-  running requests, and the requests the gateway holds for a worker. Over `window_s`: at 60 s it reads the
-  recording rules of `observability/rules.py` where they exist, otherwise the raw series.
+  (the offered load) and the mean ISL and OSL of finished ones, and per pool (the workers' `role`) its TTFT
+  and ITL (the mean in the sla mode, whose corrections compare it with the profile's expected mean; a
+  quantile, p90 by default, in the load mode), queued and running requests, and the requests the gateway
+  holds for a worker. Over `window_s`: at 60 s it reads the recording rules of `observability/rules.py`
+  where they exist, otherwise the raw series. With a `model` it reads only that model's series (one planner
+  per model).
 - `Actuator` is what carries a decision out: `PoolActuator` grows and shrinks Ray `WorkerPool`s (a removed
   worker drains first: no request is cut, a prefill's leased blocks are released or expire);
   `kubernetes.KubernetesActuator` patches the `DynServePool`s of a deployment the operator runs.
 - `PlannerMetrics`: the planner's own `dynserve_planner_*` series (decided and serving workers per pool,
-  predicted load, observed against target TTFT and ITL, needs and corrections, decisions by reason).
+  predicted load, observed against target TTFT and ITL, needs and corrections, decisions by reason), labelled
+  with the model; `FleetPlannerMetrics` merges the models' into one collector.
 - `PlannerLoop`: every `interval_s` (and at once when `wake` is called: a request is waiting for a fleet at
   zero) read, decide, act, record. A failed read skips the interval (the fleet keeps its size); a failed
   scaling is logged and retried by the next decision.
@@ -31,7 +34,7 @@ from dynserve.errors import PrometheusError
 from dynserve.observability.promql import PrometheusClient
 from dynserve.planner.core import Decision, Observation, PlannerCore, PoolObservation
 
-__all__ = ["Actuator", "PlannerLoop", "PlannerMetrics", "PoolActuator", "PrometheusReader"]
+__all__ = ["Actuator", "FleetPlannerMetrics", "PlannerLoop", "PlannerMetrics", "PoolActuator", "PrometheusReader"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,37 +43,40 @@ class PrometheusReader:
     """Reads an `Observation` of `pools` from Prometheus (blocking HTTP; run it off the event loop)."""
 
     def __init__(self, client: PrometheusClient, pools: tuple[str, ...], *, window_s: float = 60.0,
-                 statistic: str = "mean") -> None:
-        """`statistic`: "mean", or a quantile such as "0.9", of the pools' TTFT and ITL."""
-        self.client, self.pools = client, pools
+                 statistic: str = "mean", model: str | None = None) -> None:
+        """`statistic`: "mean", or a quantile such as "0.9", of the pools' TTFT and ITL; `model`: read only the
+        series of that model (its `model` label: a gateway serving several models has one planner each)."""
+        self.client, self.pools, self.model = client, pools, model
         self.window = f"{round(window_s)}s" if window_s != 60 else "1m"
         self.statistic = statistic
 
     def queries(self) -> dict[str, str]:
         w = self.window
-        rules = w == "1m"
+        rules = w == "1m" and self.model is None  # the fleet-wide recording rules; a model's own: raw series
+        m = "" if self.model is None else '{model="%s"}' % self.model.replace("\\", "\\\\").replace('"', '\\"')
         queries = {
             # the offered load: requests counted as they are admitted, not as they finish (under overload a
             # fleet finishes only what it can)
             "rate": "dynserve:requests_admitted:rate1m" if rules else (
-                f"sum(rate(dynserve_requests_admitted_total[{w}]))"),
-            "isl": "dynserve:prompt_tokens:mean1m" if rules else _mean("dynserve_request_prompt_tokens", w, ""),
+                f"sum(rate(dynserve_requests_admitted_total{m}[{w}]))"),
+            "isl": "dynserve:prompt_tokens:mean1m" if rules else _mean("dynserve_request_prompt_tokens", w, "", m),
             "osl": "dynserve:generation_tokens:mean1m" if rules else _mean("dynserve_request_generation_tokens",
-                                                                           w, ""),
-            "waiting_for_worker": "sum(dynserve_gateway_waiting_for_worker_requests)",
-            "workers": "count by (role) (dynserve_worker_kv_blocks_capacity)",
-            "waiting": "sum by (role) (dynserve_worker_waiting_requests)",
-            "running": "sum by (role) (dynserve_worker_running_requests)",
+                                                                           w, "", m),
+            "workers": f"count by (role) (dynserve_worker_kv_blocks_capacity{m})",
+            "waiting": f"sum by (role) (dynserve_worker_waiting_requests{m})",
+            "running": f"sum by (role) (dynserve_worker_running_requests{m})",
         }
+        if self.model is None:  # the gateway's gauge is fleet-wide; a model's planner asks the gateway itself
+            queries["waiting_for_worker"] = "sum(dynserve_gateway_waiting_for_worker_requests)"
         for name, metric in (("ttft", "dynserve_worker_time_to_first_token_seconds"),
                              ("itl", "dynserve_worker_inter_token_latency_seconds")):
             if self.statistic == "mean":
-                queries[name] = _mean(metric, w, "role")
+                queries[name] = _mean(metric, w, "role", m)
             else:
                 quantile = float(self.statistic)
                 rule = f"role:{metric}:p{round(quantile * 100)}"
                 queries[name] = rule if rules and quantile in (0.5, 0.9, 0.99) else (
-                    f"histogram_quantile({quantile}, sum by (le, role) (rate({metric}_bucket[{w}])))")
+                    f"histogram_quantile({quantile}, sum by (le, role) (rate({metric}_bucket{m}[{w}])))")
         return queries
 
     def observe(self, now_s: float) -> Observation:
@@ -78,7 +84,7 @@ class PrometheusReader:
         results = {name: self.client.query(expr) for name, expr in self.queries().items()}
 
         def scalar(name: str) -> float:
-            return results[name][0].value if results[name] else math.nan
+            return results[name][0].value if results.get(name) else math.nan
 
         def by_role(name: str, default: float) -> dict[str, float]:
             values = {s.get("role"): s.value for s in results[name]}
@@ -95,9 +101,10 @@ class PrometheusReader:
                            num_waiting_for_worker=int(waiting_for_worker) if math.isfinite(waiting_for_worker) else 0)
 
 
-def _mean(metric: str, window: str, by: str) -> str:
+def _mean(metric: str, window: str, by: str, selector: str = "") -> str:
     group = f"sum by ({by}) " if by else "sum"
-    return f"{group}(rate({metric}_sum[{window}])) / {group}(rate({metric}_count[{window}]))"
+    return (f"{group}(rate({metric}_sum{selector}[{window}])) / "
+            f"{group}(rate({metric}_count{selector}[{window}]))")
 
 
 class Actuator(Protocol):
@@ -145,11 +152,11 @@ class PoolActuator:
 
 
 class PlannerMetrics:
-    """The planner's series, read at scrape time from its last decision (a collector: register it on a
-    registry, e.g. the gateway's)."""
+    """One model's planner series, read at scrape time from its last decision, each labelled with the model
+    (`FleetPlannerMetrics` is the collector to register: it merges every model's)."""
 
-    def __init__(self, core: PlannerCore, serving: Callable[[], Mapping[str, int]]) -> None:
-        self.core, self._serving = core, serving
+    def __init__(self, core: PlannerCore, serving: Callable[[], Mapping[str, int]], *, model: str) -> None:
+        self.core, self._serving, self.model = core, serving, model
         self.last: Decision | None = None
         self.last_observation: Observation | None = None
         self.decisions: dict[tuple[str, str], int] = {}  # (pool, reason) -> decisions that changed the pool
@@ -161,51 +168,70 @@ class PlannerMetrics:
             self.decisions[key] = self.decisions.get(key, 0) + 1
 
     def collect(self) -> Iterator[Metric]:
-        config, decision, observation = self.core.config, self.last, self.last_observation
+        config, decision, observation, model = self.core.config, self.last, self.last_observation, self.model
         decided = GaugeMetricFamily("dynserve_planner_workers_target", "Workers the planner wants per pool",
-                                    labels=["pool"])
-        serving = GaugeMetricFamily("dynserve_planner_workers_serving", "Workers serving per pool", labels=["pool"])
+                                    labels=["model", "pool"])
+        serving = GaugeMetricFamily("dynserve_planner_workers_serving", "Workers serving per pool",
+                                    labels=["model", "pool"])
         overridden = GaugeMetricFamily("dynserve_planner_override_workers", "A pool's manual override (absent: "
-                                       "none)", labels=["pool"])
+                                       "none)", labels=["model", "pool"])
         for pool, count in self._serving().items():
-            serving.add_metric([pool], count)
+            serving.add_metric([model, pool], count)
         for pool, count in self.core.overrides.items():
-            overridden.add_metric([pool], count)
+            overridden.add_metric([model, pool], count)
         need = GaugeMetricFamily("dynserve_planner_workers_needed", "Workers the predicted load needs (sla mode, "
-                                 "fractional, corrected)", labels=["pool"])
+                                 "fractional, corrected)", labels=["model", "pool"])
         correction = GaugeMetricFamily("dynserve_planner_correction_ratio", "Observed over the profile's expected "
-                                       "latency, smoothed (sla mode)", labels=["pool"])
+                                       "latency, smoothed (sla mode)", labels=["model", "pool"])
         observed = GaugeMetricFamily("dynserve_planner_observed_latency_seconds", "The pools' TTFT and ITL as the "
-                                     "planner read them", labels=["pool", "kind"])
+                                     "planner read them", labels=["model", "pool", "kind"])
         if decision is not None:
             for pool, count in decision.targets.items():
-                decided.add_metric([pool], count)
+                decided.add_metric([model, pool], count)
             for pool, value in decision.needs.items():
                 if math.isfinite(value):
-                    need.add_metric([pool], value)
+                    need.add_metric([model, pool], value)
             for pool, value in decision.corrections.items():
-                correction.add_metric([pool], value)
+                correction.add_metric([model, pool], value)
         if observation is not None:
             for pool, seen in observation.pools.items():
                 for kind, value in (("ttft", seen.ttft_s), ("itl", seen.itl_s)):
                     if math.isfinite(value):
-                        observed.add_metric([pool, kind], value)
+                        observed.add_metric([model, pool, kind], value)
         target = GaugeMetricFamily("dynserve_planner_target_latency_seconds", "The planner's TTFT and ITL targets",
-                                   labels=["kind"])
-        target.add_metric(["ttft"], config.ttft_target_s)
-        target.add_metric(["itl"], config.itl_target_s)
+                                   labels=["model", "kind"])
+        target.add_metric([model, "ttft"], config.ttft_target_s)
+        target.add_metric([model, "itl"], config.itl_target_s)
         predicted = GaugeMetricFamily("dynserve_planner_predicted", "The predicted load of the next interval: "
-                                      "request rate (per second), mean ISL and OSL (tokens)", labels=["quantity"])
+                                      "request rate (per second), mean ISL and OSL (tokens)",
+                                      labels=["model", "quantity"])
         if decision is not None:
             for quantity, value in (("request_rate", decision.predicted_rate_per_s),
                                     ("isl", decision.predicted_isl), ("osl", decision.predicted_osl)):
                 if math.isfinite(value):
-                    predicted.add_metric([quantity], value)
+                    predicted.add_metric([model, quantity], value)
         decisions = CounterMetricFamily("dynserve_planner_decisions", "Changes of a pool's target, by reason",
-                                        labels=["pool", "reason"])
+                                        labels=["model", "pool", "reason"])
         for (pool, reason), count in sorted(self.decisions.items()):
-            decisions.add_metric([pool, reason], count)
+            decisions.add_metric([model, pool, reason], count)
         yield from (decided, serving, overridden, need, correction, observed, target, predicted, decisions)
+
+
+class FleetPlannerMetrics:
+    """The collector of every model's `PlannerMetrics`: one family per series, each model's samples in it."""
+
+    def __init__(self, parts: list[PlannerMetrics]) -> None:
+        self.parts = parts
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for part in self.parts:
+            for family in part.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        yield from families.values()
 
 
 class PlannerLoop:
