@@ -61,14 +61,13 @@ import psutil
 from benchmarks._common import RESULTS_DIR, git_commit, log, machine_info, percentile, write_result
 from benchmarks._dynctl import DynctlServer, dynctl_serve
 from benchmarks._multimodel_load import Workload, make_workload, play, zipf_weights
+from benchmarks._multimodel_planner import FULL_TURNS, QUICK_TURNS, TurnsPlan, run_planner_half
 
 SPEEDUP = 1000.0
 CONCURRENCY = 32
 ZIPF_EXPONENT = 1.0
 MAX_TOKENS = (8, 24)
 PROMPT_WORDS = (4, 24)
-PLANNER_REASON = ("no per-model planner yet: the planner scales the pools of one model, and `dynctl serve "
-                  "--planner` refuses several models")
 
 
 @dataclass(frozen=True)
@@ -215,32 +214,32 @@ def plot(path: Path, one: dict[str, Any], many: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.multimodel", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 models, 3 rounds of 800 requests (about a minute)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 models, 3 rounds of 800 requests; 3 models taking turns (about 5 minutes)")
+    parser.add_argument("--half", choices=("throughput", "planner", "both"), default="both",
+                        help="run the throughput half, the planner half, or both [default: both]")
+    parser.add_argument("--fleets", nargs="+", choices=("static", "planner"), default=["static", "planner"],
+                        help="the planner half's fleets, in this order (one alone: the ratio is null)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None,
+                        help="keep the servers' logs here [default: a temporary directory, removed]")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    plan = QUICK if args.quick else FULL
-    output = args.output or RESULTS_DIR / f"multimodel-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    start_s = time.monotonic()
-    load_avg_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory(prefix="multimodel-") as temp:
-        links = model_links(Path(temp), plan.num_models)
-        names = [link.name.split(".")[0] for link in links]
-        fleets = {"one_model": (fleet_flags(links, num_models=1), names[:1]),
-                  f"{plan.num_models}_models": (fleet_flags(links, num_models=plan.num_models), names)}
-        summaries = run_fleets(fleets, plan, args.seed, Path(temp))
+def throughput_half(plan: Plan, seed: int, temp: Path, log_dir: Path) -> tuple[dict[str, Any], Any]:
+    """The 1-model and N-model fleets' rounds: the result's fields, and a function drawing their PNG."""
+    links = model_links(temp, plan.num_models)
+    names = [link.name.split(".")[0] for link in links]
+    fleets = {"one_model": (fleet_flags(links, num_models=1), names[:1]),
+              f"{plan.num_models}_models": (fleet_flags(links, num_models=plan.num_models), names)}
+    summaries = run_fleets(fleets, plan, seed, log_dir)
     n = plan.num_models
     one, many = summaries["one_model"], summaries[f"{n}_models"]
     ratio = many["req_per_s"] / one["req_per_s"]
-    mix = round_workload(plan, args.seed)
-    result = {
-        "benchmark": "multimodel", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
-        "machine": {**machine_info(), "load_avg_1m_before": load_avg_before}, "concurrency": CONCURRENCY,
-        "mocker": {"profile": "cpu", "speedup": SPEEDUP},
+    mix = round_workload(plan, seed)
+    fields = {
+        "concurrency": CONCURRENCY, "mocker": {"profile": "cpu", "speedup": SPEEDUP},
         "workload": {"requests_per_round": plan.num_requests, "rounds": plan.num_rounds, "warmup": plan.num_warmup,
                      "max_tokens": MAX_TOKENS, "prompt_words": PROMPT_WORDS, "zipf_exponent": ZIPF_EXPONENT,
                      "zipf_weights": [round(w, 4) for w in zipf_weights(n, ZIPF_EXPONENT)],
@@ -251,12 +250,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "latency_p99_added_ms": many["latency_p99_ms"] - one["latency_p99_ms"],
         f"gateway_cpu_ratio_{n}_models_over_1": many["cpu_ms_per_request"]["gateway"]
         / one["cpu_ms_per_request"]["gateway"],
-        "worker_s_ratio_planner_over_static": None, "worker_s_ratio_planner_over_static_reason": PLANNER_REASON,
-        "wall_s": round(time.monotonic() - start_s, 1),
+    }
+    return fields, lambda path: plot(path, one, many)
+
+
+def planner_half(turns: TurnsPlan, seed: int, temp: Path, log_dir: Path, fleets: list[str],
+                 png: Path) -> dict[str, Any]:
+    """The static and the planner's fleet on the models-taking-turns trace: the result's fields (the
+    planner half's figures at the top, the rest under `planner_half`); its PNG at `png` when both ran."""
+    links = model_links(temp, turns.shape.num_models)
+    half = run_planner_half(turns, links, seed, log_dir, fleets, png=png)
+    top = ("worker_s_ratio_planner_over_static", "worker_s_planner", "worker_s_static", "worker_s_oracle",
+           "attainment_planner", "attainment_static", "attainment_planner_minus_static", "scale_events_by_model",
+           "png_planner")
+    fields = {key: half.pop(key) for key in top}
+    return {**fields, "planner_half": half}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    turns = QUICK_TURNS if args.quick else FULL_TURNS
+    output = args.output or RESULTS_DIR / f"multimodel-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    start_s = time.monotonic()
+    load_avg_before = os.getloadavg()[0]
+    result: dict[str, Any] = {
+        "benchmark": "multimodel", "quick": args.quick, "half": args.half, "seed": args.seed, "commit": git_commit(),
+        "machine": {**machine_info(), "load_avg_1m_before": load_avg_before},
     }
     output.parent.mkdir(parents=True, exist_ok=True)
-    plot(output.with_suffix(".png"), one, many)
-    result["png"] = str(output.with_suffix(".png"))
+    draw_throughput = None
+    with tempfile.TemporaryDirectory(prefix="multimodel-") as temp:
+        log_dir = args.log_dir or Path(temp)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        if args.half in ("throughput", "both"):
+            fields, draw_throughput = throughput_half(plan, args.seed, Path(temp), log_dir)
+            result.update(fields)
+        if args.half in ("planner", "both"):
+            turns_dir = Path(temp) / "turns"
+            turns_dir.mkdir()
+            result.update(planner_half(turns, args.seed, turns_dir, log_dir, args.fleets,
+                                       output.with_name(f"{output.stem}-planner.png")))
+        else:
+            result.update(worker_s_ratio_planner_over_static=None,
+                          worker_s_ratio_planner_over_static_reason="the planner half was not run (--half)")
+    result["wall_s"] = round(time.monotonic() - start_s, 1)
+    if draw_throughput is not None:
+        draw_throughput(output.with_suffix(".png"))
+        result["png"] = str(output.with_suffix(".png"))
     write_result("multimodel", result, output)
     return result
 
