@@ -39,6 +39,11 @@ README_YAML = re.search(r"```yaml\n# tiny\.yaml\n(.*?)```", (Path(__file__).pare
 # the README's vLLM pool ("Your engines")
 VLLM_YAML = re.search(r"```yaml\n# qwen\.yaml\n(.*?)```", (Path(__file__).parents[1] / "README.md").read_text(),
                       re.DOTALL).group(1)  # type: ignore[union-attr]
+# the README's two models ("Several models behind the one gateway"): a file, and the same from flags
+DUO_YAML = re.search(r"```yaml\n# duo\.yaml\n(.*?)```", (Path(__file__).parents[1] / "README.md").read_text(),
+                     re.DOTALL).group(1)  # type: ignore[union-attr]
+DUO_FLAGS = shlex.split(re.search(r"\ndynctl deploy (--name duo [^#\n]*)", (Path(__file__).parents[1] /
+                                                                           "README.md").read_text()).group(1))  # type: ignore[union-attr]
 EXAMPLE_FLAGS = shlex.split(
     re.search(r"dynctl deploy (--name tiny [^#\n]*)", _DOC).group(1))  # type: ignore[union-attr]
 
@@ -196,6 +201,69 @@ def test_the_engine_flags_land_on_the_workers_pool(tmp_path: Path) -> None:
     args = parser.parse_args(["deploy", "--engine", "vllm", "--prefill-workers", "1", "--decode-workers", "1"])
     with pytest.raises(InvalidRequestError, match="spec.pools.prefill.engine: vLLM serves whole requests"):
         deploy_cli.resource_from(args, "default")
+
+
+def _head_flags(children: list[dict[str, Any]], name: str) -> list[str]:
+    head = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == f"{name}-head")
+    script = head["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    return shlex.split(script.split("exec dynctl serve ", 1)[1])[1:]  # after --ray-address
+
+
+def test_the_readmes_two_models_render_manifests_that_validate_from_a_file_and_from_flags(
+        kubeconfig: str, tmp_path: Path, standin: KubeStandin) -> None:
+    (tmp_path / "duo.yaml").write_text(DUO_YAML)
+    from_file = dynctl("deploy", "-f", str(tmp_path / "duo.yaml"), "--dry-run", "--render", "--kubeconfig", kubeconfig)
+    from_flags = dynctl("deploy", *DUO_FLAGS, "--kubeconfig", kubeconfig)
+    assert from_file.returncode == 0 and from_flags.returncode == 0, from_file.stderr + from_flags.stderr
+    smol, gemma = "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "/models/gemma-3-270m-q4_k_m.gguf"
+    for result, gemma_pool, replicas in ((from_file, "duo-gemma-workers", [2, 1]),
+                                         (from_flags, "duo-gemma-3-270m-q4-k-m-workers", [2, 2])):
+        resource, *children = yaml.safe_load_all(result.stdout)
+        validate(resource)
+        validate_all(children)
+        assert "model" not in resource["spec"] and "pools" not in resource["spec"]
+        assert [m["pools"]["workers"]["replicas"] for m in resource["spec"]["models"]] == replicas
+        pools = {c["metadata"]["name"]: c["spec"] for c in children if c["kind"] == "DynServePool"}
+        assert set(pools) == {"duo-workers", gemma_pool}
+        assert pools[gemma_pool]["model"] == gemma_pool.removeprefix("duo-").removesuffix("-workers")
+        assert _head_flags(children, "duo") == ["--model", smol, "--model", gemma, "--served-model-name", "small",
+                                                "--served-model-name", "tiny=gemma-3-270m-q4_k_m"]
+    assert standin.requests == []
+
+
+def test_model_flags_over_a_file_of_one_or_several_models(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    deploy_cli.add_kube_commands(parser.add_subparsers(dest="command"))
+    (tmp_path / "tiny.yaml").write_text(EXAMPLE_YAML)
+    (tmp_path / "duo.yaml").write_text(DUO_YAML)
+
+    def spec(*flags: str) -> dict[str, Any]:
+        resource = deploy_cli.resource_from(parser.parse_args(["deploy", *flags]), "default")
+        validate(resource)
+        return dict(resource["spec"])
+
+    # two models over the tiny file: each gets its disaggregated layout, the pool flags and the dtype
+    duo = spec("-f", str(tmp_path / "tiny.yaml"), "--model", "https://x.example/a.Q8_0.gguf", "--model", "/m/b",
+               "--gpus", "1", "--dtype", "bfloat16")
+    assert [(m["name"], m["model"]) for m in duo["models"]] == [
+        ("a", {"uri": "https://x.example/a.Q8_0.gguf", "dtype": "bfloat16"}), ("b", {"path": "/m/b", "dtype": "bfloat16"})]
+    for entry in duo["models"]:
+        assert entry["pools"] == {"prefill": {"replicas": 2, "resources": {"limits": {"nvidia.com/gpu": 1}}},
+                                  "decode": {"replicas": 1, "resources": {"limits": {"nvidia.com/gpu": 1}}}}
+    # over the two-model file: the layout flag reaches every model, an alias the model it names
+    duo = spec("-f", str(tmp_path / "duo.yaml"), "--workers", "3", "--served-model-name", "sm")
+    assert [m["pools"] for m in duo["models"]] == [{"workers": {"replicas": 3}}] * 2
+    assert duo["models"][0]["servedModelNames"] == ["small", "sm"]
+    # an alias alone turns one model into a one-entry list (the same children: the one-model case)
+    assert spec("--model", "/m/a.gguf", "--served-model-name", "alpha")["models"] == [
+        {"name": "a", "model": {"path": "/m/a.gguf"}, "pools": {"workers": {"replicas": 1}},
+         "servedModelNames": ["alpha"]}]
+    with pytest.raises(InvalidRequestError, match=r"--served-model-name x=nope: no model 'nope' is given"):
+        spec("--model", "/m/a.gguf", "--model", "/m/b.gguf", "--served-model-name", "x=nope")
+    with pytest.raises(InvalidRequestError, match=r"--model: the file serves several models"):
+        spec("-f", str(tmp_path / "duo.yaml"), "--model", "/m/c.gguf")
+    with pytest.raises(InvalidRequestError, match=r"spec.models: the name 'a' stands for two models \(a and a-1\)"):
+        spec("--model", "/m/a.gguf", "--model", "/n/a.gguf")
 
 
 @pytest.mark.parametrize(("flags", "spec_file", "named"), [

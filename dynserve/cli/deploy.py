@@ -8,6 +8,10 @@ its status until the operator reports it Ready (exit 0), Degraded for a reason w
 `generation` (the operator has seen this spec). `status` shows what the operator reports; `delete` removes
 the resource (its children go with it through their owner references).
 
+Several models (`spec.models`): `--model` given twice or more lists them (each named after its file, the first
+the default), `--served-model-name NAME[=MODEL_ID]` gives one another name (as `dynctl serve` takes it); the
+layout, pool and dtype flags reach every model, over a file's `models` too.
+
 The same small disaggregated fleet of simulated workers, from a file or from flags alone (the README's
 Kubernetes section; tests/test_deploy_cli.py runs exactly this)::
 
@@ -67,8 +71,12 @@ def add_kube_commands(sub: Any) -> None:
     deploy.add_argument("--name", help=f"the resource's name [default: the file's, else {DEFAULT_NAME}]")
     _add_cluster_flags(deploy)
     spec = deploy.add_argument_group("the spec (each overrides the file)")
-    spec.add_argument("--model", metavar="PATH|URI", help="an http(s) URL -> model.uri (fetched into the "
-                      "pods' volume), else model.path")
+    spec.add_argument("--model", metavar="PATH|URI", action="append", help="an http(s) URL -> model.uri "
+                      "(fetched into the pods' volume), else model.path; given again, several models behind the "
+                      "one gateway (spec.models, the first the default; each gets the layout and pool flags)")
+    spec.add_argument("--served-model-name", metavar="NAME[=MODEL_ID]", action="append", help="another name "
+                      "clients may ask for a model by: NAME for the first --model, NAME=MODEL_ID for any (its "
+                      "file's name up to the first dot, or its directory's name); repeated")
     spec.add_argument("--dtype", help="model.dtype: float32, bfloat16, float16")
     spec.add_argument("--image", metavar="REPO[:TAG]", help="the dynserve image")
     spec.add_argument("--workers", type=int, metavar="N", help="aggregated serving: N worker pods")
@@ -154,17 +162,27 @@ def resource_from(args: argparse.Namespace, default_namespace: str) -> dict[str,
 
     manifest = _read_manifest(args.file) if args.file else {}
     metadata = dict(manifest.get("metadata") or {})
-    spec = _merge(manifest.get("spec") or {}, _flag_spec(args, (manifest.get("spec") or {}).get("pools") or {}))
+    file_spec = manifest.get("spec") or {}
+    spec = _merge(file_spec, _flag_spec(args, file_spec))
     parsed = parse_deployment(spec)
-    normalized = parsed.model_dump(mode="json", by_alias=True, exclude_defaults=True)
-    normalized["pools"] = {pool: {"replicas": pool_spec.replicas, **normalized.get("pools", {}).get(pool, {})}
-                           for pool, pool_spec in parsed.pools.items()}
+    if parsed.models is None:
+        normalized = parsed.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+        normalized["pools"] = _with_replicas(normalized.get("pools", {}), parsed.pools)
+    else:  # `model` and `pools` read as the first model's: the resource gives them once, in `models`
+        normalized = parsed.model_dump(mode="json", by_alias=True, exclude_defaults=True, exclude={"model", "pools"})
+        for entry, parsed_entry in zip(normalized["models"], parsed.models, strict=True):
+            entry["pools"] = _with_replicas(entry.get("pools", {}), parsed_entry.pools)
     name = args.name or metadata.get("name") or DEFAULT_NAME
     if not _NAME.match(name):
         raise InvalidRequestError(f"metadata.name: {name!r} must be a DNS label of at most 50 characters: "
                                   "lower-case letters, digits and '-', starting with a letter", param="name")
     metadata.update(name=name, namespace=args.namespace or metadata.get("namespace") or default_namespace)
     return {"apiVersion": API_VERSION, "kind": KIND, "metadata": metadata, "spec": normalized}
+
+
+def _with_replicas(dumped: dict[str, Any], pools: Any) -> dict[str, Any]:
+    """Each pool of a dumped `pools` with its replicas written (a default left out by the dump)."""
+    return {pool: {"replicas": pool_spec.replicas, **dumped.get(pool, {})} for pool, pool_spec in pools.items()}
 
 
 def _read_manifest(path: Path) -> dict[str, Any]:
@@ -193,10 +211,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def _flag_spec(args: argparse.Namespace, file_pools: dict[str, Any]) -> dict[str, Any]:
-    """The flags as a JSON merge patch (RFC 7386: None removes) over the file's spec."""
-    patch: dict[str, Any] = {}
-
+def _putter(patch: dict[str, Any]) -> Any:
     def put(path: str | tuple[str, ...], value: Any) -> None:  # "a.b.c", or a tuple when a key holds a dot
         *parents, leaf = path.split(".") if isinstance(path, str) else path
         node = patch
@@ -204,11 +219,25 @@ def _flag_spec(args: argparse.Namespace, file_pools: dict[str, Any]) -> dict[str
             node = node.setdefault(key, {})
         node[leaf] = value
 
-    if args.model is not None:
-        is_url = re.match(r"^https?://", args.model) is not None
-        put("model.uri" if is_url else "model.path", args.model)
-        put("model.path" if is_url else "model.uri", None)
-    for path, value in (("model.dtype", args.dtype), ("engine.mocker", args.mocker), ("router.mode", args.router),
+    return put
+
+
+def _source(model: str) -> dict[str, Any]:
+    """A `--model` as a model source's merge patch: an http(s) URL is its uri, anything else its path."""
+    is_url = re.match(r"^https?://", model) is not None
+    return {"uri": model, "path": None} if is_url else {"path": model, "uri": None}
+
+
+def _flag_spec(args: argparse.Namespace, file_spec: dict[str, Any]) -> dict[str, Any]:
+    """The flags as a JSON merge patch (RFC 7386: None removes) over the file's spec."""
+    patch: dict[str, Any] = {}
+    put = _putter(patch)
+    models = args.model or []
+    if len(models) > 1 or args.served_model_name or file_spec.get("models") is not None:
+        patch.update(models=_models(args, file_spec), model=None, pools=None)
+    elif models:
+        patch["model"] = _source(models[0])
+    for path, value in (("engine.mocker", args.mocker), ("router.mode", args.router),
                         ("transfer.backend", args.transfer_backend), ("planner.ttftMs", args.ttft_ms),
                         ("planner.itlMs", args.itl_ms), ("gateway.serviceType", args.service_type)):
         if value is not None:
@@ -227,6 +256,19 @@ def _flag_spec(args: argparse.Namespace, file_pools: dict[str, Any]) -> dict[str
         put("gateway.apiKeySecret.name", args.api_key_secret)
     if args.service_monitor:
         put("observability.serviceMonitor", True)
+    if "models" not in patch:
+        if args.dtype is not None:
+            put("model.dtype", args.dtype)
+        pools = _pools_patch(args, file_spec.get("pools") or {})
+        if pools:
+            patch["pools"] = pools
+    return patch
+
+
+def _pools_patch(args: argparse.Namespace, file_pools: dict[str, Any]) -> dict[str, Any]:
+    """The layout, engine and per-pool flags as a merge patch over one model's `pools`."""
+    patch: dict[str, Any] = {}
+    put = _putter(patch)
     layout = _layout_patch(args)
     pools = _merge(file_pools, layout)
     if layout:
@@ -239,7 +281,57 @@ def _flag_spec(args: argparse.Namespace, file_pools: dict[str, Any]) -> dict[str
         for path, value in per_pool.items():
             if value is not None:
                 put(("pools", pool, *path), value)
-    return patch
+    return dict(patch.get("pools") or {})
+
+
+def _models(args: argparse.Namespace, file_spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """`spec.models` from the flags over the file's: `--model` given twice or more replaces the file's models
+    (each on the file's pools, its first model's when it lists several); each model gets the layout and pool
+    flags and `--dtype`; `--served-model-name` adds an alias to the model it names."""
+    from dynserve.operator.spec import ModelSource, served_id
+
+    file_models = [dict(entry) for entry in file_spec.get("models") or []]
+    base_pools = file_spec.get("pools") or (file_models[0].get("pools") if file_models else None) or {}
+    if len(args.model or []) > 1 or not file_models:  # the first model keeps the file's volume and dtype
+        first = file_spec.get("model") or {}
+        sources = [_merge(first if i == 0 else {}, _source(m)) for i, m in enumerate(args.model or [])] or [first]
+        names: list[str] = []
+        for i, source in enumerate(sources):  # two files of one name: spec.models says why that cannot be
+            name = _model_name(source, i)
+            names.append(f"{name[:17]}-{i}" if name in names else name)
+        file_models = [{"name": name, "model": source, "pools": base_pools}
+                       for name, source in zip(names, sources, strict=True)]
+    elif args.model:
+        raise InvalidRequestError("--model: the file serves several models (spec.models): give --model once for "
+                                  "each model, or edit the file", param="model")
+    ids = [served_id(ModelSource.model_validate({k: v for k, v in e.get("model", {}).items() if k in ("path", "uri")}))
+           for e in file_models]
+    for entry in file_models:
+        given = entry.pop("pools", None) or {}
+        pools = _merge(given, _pools_patch(args, given))
+        if pools:  # none: the default pool of workers
+            entry["pools"] = pools
+        if args.dtype is not None:
+            entry["model"] = {**(entry.get("model") or {}), "dtype": args.dtype}
+    for alias in args.served_model_name or []:
+        name, _, model_id = alias.partition("=")
+        if model_id and model_id not in ids:
+            raise InvalidRequestError(f"--served-model-name {alias}: no model {model_id!r} is given (the models: "
+                                      f"{', '.join(str(i) for i in ids)})", param="served_model_name")
+        entry = file_models[ids.index(model_id) if model_id else 0]
+        entry["servedModelNames"] = [*entry.get("servedModelNames", []), name]
+    return file_models
+
+
+def _model_name(source: dict[str, Any], index: int) -> str:
+    """A model's name in spec.models from its weights' id (lower case, '-' for anything else, 20 characters at
+    most), `model-I` when that leaves none (the bundled model)."""
+    from dynserve.operator.spec import ModelSource, served_id
+
+    model_id = served_id(ModelSource.model_validate({k: v for k, v in source.items() if k in ("path", "uri")})) or ""
+    name = re.sub(r"[^a-z0-9]+", "-", model_id.lower()).strip("-")
+    name = re.sub(r"^[^a-z]+", "", name)[:20].rstrip("-")
+    return name or f"model-{index}"
 
 
 def _put_vllm(put: Any, args: argparse.Namespace, pools: dict[str, Any]) -> None:
