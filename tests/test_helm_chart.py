@@ -66,6 +66,13 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "model": {"path": "/models/Qwen3-8B", "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
         "pools": {"workers": {**_gpu_pool(2), "engine": "vllm",
                               "vllm": {"image": "vllm/vllm-openai:v0.10.2", "args": ["--dtype", "bfloat16"]}}}}}},
+    "example-two-models": {"example": {"enabled": True, "name": "duo", "spec": {"models": [
+        {"name": "smol", "model": {"path": "/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                   "volume": {"persistentVolumeClaim": {"claimName": "models"}}},
+         "pools": {"workers": {"replicas": 2}}, "servedModelNames": ["small"]},
+        {"name": "gemma", "model": {"uri": "https://models.example.com/gemma-3-270m-q4_k_m.gguf"},
+         "pools": {"workers": _gpu_pool(1)}, "servedModelNames": ["tiny"]}],
+        "engine": {"maxModelLen": 2048}}}},
     "monitoring": {"grafana": {"dashboards": {"enabled": True}}, "prometheusRule": {"enabled": True},
                    "operator": {"serviceMonitor": {"enabled": True,
                                                    "labels": {"release": "kube-prometheus"}}}},
@@ -557,6 +564,29 @@ def test_a_vllm_example_keeps_its_engine_and_runs_the_charts_image_beside_vllms(
     spec = parse_deployment(example["spec"])
     assert spec.pools.vllm is not None and spec.pools.vllm.image == "vllm/vllm-openai:v0.10.2"
     assert spec.pools.vllm.args == ["--dtype", "bfloat16"] and spec.image.repository == DEFAULT_IMAGE
+
+
+def test_a_two_model_example_drops_the_one_model_defaults_and_its_children_validate(
+        chart: helm_python.Chart) -> None:
+    """Helm merges `example.spec.models` with the default `model` and `pools`: the template keeps only the list,
+    and what the operator makes of it validates offline, each model with its own pools."""
+    from dynserve.operator.builders import build_children
+
+    example = one(render(chart, VALUE_SETS["example-two-models"]), "DynServeDeployment")
+    assert "model" not in example["spec"] and "pools" not in example["spec"]
+    validate_object(example)
+    spec = parse_deployment(example["spec"])
+    assert [m.name for m in spec.served_models()] == ["smol", "gemma"]
+    children = build_children("duo", NAMESPACE, spec)
+    for child in children:
+        validate(child)
+    pools = {c["metadata"]["name"] for c in children if c["kind"] == "DynServePool"}
+    assert pools == {"duo-workers", "duo-gemma-workers"}
+    head = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"] == "duo-head")
+    script = head["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert script.endswith("--model /models/SmolLM2-135M-Instruct.Q4_1.gguf --model "
+                           "/models/gemma/gemma-3-270m-q4_k_m.gguf --served-model-name small "
+                           "--served-model-name tiny=gemma-3-270m-q4_k_m")
 
 
 def test_an_example_with_its_own_image_keeps_it(chart: helm_python.Chart) -> None:
