@@ -10,6 +10,7 @@ on a mocker fleet (mockers draw among the tokens the grammar allows)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any, Literal
 
@@ -136,6 +137,39 @@ def test_both_samplers_keep_masked_rows_inside_their_masks() -> None:
             chosen = result.logprobs[2]
             assert chosen is not None  # the model's own view of the forced token, not a certainty
             assert chosen.logprob == pytest.approx(float(torch.log_softmax(logits[2], -1)[32]), abs=1e-4)
+
+
+def test_masks_are_the_same_computed_inline_or_beside_the_forward(tokenizer: Any) -> None:
+    import types
+
+    import torch
+
+    from dynserve.engine.model_runner import masks_overlap_forward
+    from dynserve.engine.structured import GrammarState, MaskFiller
+
+    answer = tokenizer.encode('{"city": "Rome"')
+    states = [GrammarState.start(CITY_GRAMMAR, tokenizer, answer[:n]) for n in (0, 3, 5)]
+    # three constrained rows and a free one; the second constrained row is mid-prefill (it does not sample)
+    seqs = [types.SimpleNamespace(token_ids=[1, 2], num_computed_tokens=1, grammar=states[0]),
+            types.SimpleNamespace(token_ids=[1, 2], num_computed_tokens=1, grammar=None),
+            types.SimpleNamespace(token_ids=[1, 2, 3], num_computed_tokens=0, grammar=states[1]),
+            types.SimpleNamespace(token_ids=[1, 2], num_computed_tokens=1, grammar=states[2])]
+    num_new = [1, 1, 2, 1]
+    beside, inline = MaskFiller(overlap=True), MaskFiller(overlap=False)
+    try:
+        a = beside.start(seqs, num_new)
+        assert a is not None
+        first = a.result()  # (a matcher serves one caller at a time)
+        b = inline.start(seqs, num_new)
+        assert b is not None and a.num_rows == b.num_rows == 3
+        second = b.result()
+        assert first.rows == second.rows == [0, 2]
+        assert (first.bitmask == second.bitmask).all() and first.bitmask.any(axis=1).all()
+        assert inline.timings.num_masks == beside.timings.num_masks == 2
+    finally:
+        beside.close()
+    assert masks_overlap_forward(torch.device("cuda"))  # an accelerator: always beside the forward
+    assert masks_overlap_forward(torch.device("cpu")) == (torch.get_num_threads() < len(os.sched_getaffinity(0)))
 
 
 def test_a_grammar_survives_batching_chunked_prefill_and_preemption(make_engine: Any, prompt: list[int],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 from types import ModuleType
 
 import torch
@@ -31,7 +32,7 @@ from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 from dynserve.engine.structured import MaskFiller
 
-__all__ = ["ModelRunner", "kv_block_size_bytes", "select_attention_backend"]
+__all__ = ["ModelRunner", "kv_block_size_bytes", "masks_overlap_forward", "select_attention_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,12 @@ logger = logging.getLogger(__name__)
 def kv_block_size_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+def masks_overlap_forward(device: torch.device) -> bool:
+    """Whether grammar masks are computed while the forward runs: on an accelerator, or where torch's
+    threads leave a CPU core free (else inline: see `structured.MaskFiller`)."""
+    return device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
 
 
 def select_attention_backend(name: str, device: torch.device) -> ModuleType:
@@ -66,7 +73,7 @@ class ModelRunner:
             (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype, device,
         ).zero_()
         self.graphs: DecodeGraphs | None = None
-        self.grammar_masks = MaskFiller()
+        self.grammar_masks = MaskFiller(overlap=masks_overlap_forward(device))
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,

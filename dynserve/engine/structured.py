@@ -4,8 +4,8 @@ A request whose `SamplingParams.grammar` is set gets a `GrammarState` when it is
 grammar, already fed the tokens produced under it elsewhere (a migrated request's earlier output, the first
 token a prefill worker sampled). Each token the engine appends advances it; a sequence whose grammar is
 complete finishes with "stop". Before a step samples, `MaskFiller` computes the allowed-token bitmask of each
-constrained sequence that samples in it, on a helper thread while the model's forward runs (llguidance
-releases the GIL), and the sampler sets every other token's logit to -inf. The mask depends only on tokens
+constrained sequence that samples in it (on a helper thread while the model's forward runs where that costs
+the forward nothing: llguidance releases the GIL), and the sampler sets every other token's logit to -inf. The mask depends only on tokens
 already appended, so chunked prefill (only the row that samples is masked), preemption (a recompute re-runs
 the prompt and outputs, not the matcher) and the prefix cache leave it unchanged.
 
@@ -222,20 +222,26 @@ class _Scheduled(Protocol):
 
 
 class _PendingMasks:
-    def __init__(self, masks: GrammarMasks, future: concurrent.futures.Future[None], num_rows: int) -> None:
+    def __init__(self, masks: GrammarMasks, future: concurrent.futures.Future[None] | None, num_rows: int) -> None:
         self.masks, self.future, self.num_rows = masks, future, num_rows
 
     def result(self) -> GrammarMasks:
-        self.future.result()
+        if self.future is not None:
+            self.future.result()
         return self.masks
 
 
 class MaskFiller:
-    """Computes a step's masks on one helper thread (llguidance's executor spreads the rows over its own
-    threads), so they are ready when the forward is. One per model runner; idle until a grammar comes."""
+    """Computes a step's masks. With `overlap` (the forward runs on an accelerator, or leaves CPU cores
+    free), on one helper thread while the forward runs (llguidance's executor spreads the rows over its own
+    threads), so they are ready when the forward is. Without, at once on the calling thread: when the
+    forward's threads take every core, a mask thread beside them preempts one of them, and the whole
+    forward waits at its next barrier for that thread's time slice (milliseconds, against tens of
+    microseconds a mask: benchmarks.structured). One per model runner; idle until a grammar comes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, overlap: bool = True) -> None:
         self.timings = MaskTimings()
+        self.overlap = overlap
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._executor: llguidance.LLExecutor | None = None
 
@@ -254,11 +260,17 @@ class MaskFiller:
             num_rows += 1
         if not rows:
             return None
+        words = num_mask_words(states[0].vocab_size)  # one tokenizer per engine
+        bitmask = np.zeros((len(rows), words), dtype=np.int32)
+        if not self.overlap:
+            started_s = time.perf_counter()
+            for j, state in enumerate(states):
+                state.matcher.unsafe_compute_mask_ptr(bitmask[j].ctypes.data, words * 4)
+            self.timings.record(time.perf_counter() - started_s, len(states))
+            return _PendingMasks(GrammarMasks(rows, bitmask), None, num_rows)
         if self._thread is None:
             self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
             self._executor = llguidance.LLExecutor()
-        words = num_mask_words(states[0].vocab_size)  # one tokenizer per engine
-        bitmask = np.zeros((len(rows), words), dtype=np.int32)
         future = self._thread.submit(self._fill, states, bitmask)
         return _PendingMasks(GrammarMasks(rows, bitmask), future, num_rows)
 
