@@ -77,8 +77,14 @@ def _series(counters: set[str], gauges: set[str], histograms: set[str]) -> set[s
 
 
 GATEWAY_SERIES = _series(GATEWAY_COUNTERS, GATEWAY_GAUGES, GATEWAY_HISTOGRAMS)
-# series labelled with a worker: they must follow the `pool` and `worker` variables
+# series labelled with a worker: they must follow the `pool` and `worker` variables (and `model`, but for the
+# gateway's channel to a worker, which has no model label)
 WORKER_SERIES = _series(WORKER_COUNTERS, WORKER_GAUGES, WORKER_HISTOGRAMS) | {"dynserve_gateway_worker_up"}
+# gateway series labelled with the model they count: they must follow the `model` variable
+GATEWAY_MODEL_SERIES = _series({"dynserve_generated_tokens_total", "dynserve_cached_prompt_tokens_total",
+                                "dynserve_requests_admitted_total"}, set(), {
+    "dynserve_time_to_first_token_seconds", "dynserve_inter_token_latency_seconds",
+    "dynserve_request_duration_seconds", "dynserve_request_prompt_tokens", "dynserve_request_generation_tokens"})
 ROUTER_SERIES = {name for name in GATEWAY_SERIES if name.startswith("dynserve_router_")}
 RULE_EXPRS = {rule.record: rule.expr for rule in RULES}
 KNOWN_NAMES = GATEWAY_SERIES | WORKER_SERIES | PLANNER_SERIES | set(RULE_EXPRS)
@@ -122,11 +128,16 @@ DASHBOARD_SCHEMA: dict[str, Any] = {
             {"contains": {"required": ["name", "type", "query"], "properties": {
                 "name": {"const": "datasource"}, "type": {"const": "datasource"}, "query": {"const": "prometheus"}}}},
             {"contains": {"required": ["name", "type", "query", "datasource", "multi", "includeAll"], "properties": {
+                "name": {"const": "model"}, "type": {"const": "query"},
+                "query": {"const": "label_values(dynserve_worker_kv_blocks_capacity, model)"}, **VARIABLE_OPTIONS}}},
+            {"contains": {"required": ["name", "type", "query", "datasource", "multi", "includeAll"], "properties": {
                 "name": {"const": "pool"}, "type": {"const": "query"},
-                "query": {"const": "label_values(dynserve_worker_kv_blocks_capacity, role)"}, **VARIABLE_OPTIONS}}},
+                "query": {"const": 'label_values(dynserve_worker_kv_blocks_capacity{model=~"$model"}, role)'},
+                **VARIABLE_OPTIONS}}},
             {"contains": {"required": ["name", "type", "query", "datasource", "multi", "includeAll"], "properties": {
                 "name": {"const": "worker"}, "type": {"const": "query"},
-                "query": {"const": 'label_values(dynserve_worker_kv_blocks_capacity{role=~"$pool"}, worker_id)'},
+                "query": {"const": 'label_values(dynserve_worker_kv_blocks_capacity{model=~"$model", role=~"$pool"}, '
+                                   'worker_id)'},
                 **VARIABLE_OPTIONS}}},
         ]}}},
     },
@@ -267,10 +278,13 @@ def test_each_query_is_well_formed_and_names_known_metrics(stem: str, title: str
 
 
 @pytest.mark.parametrize(("stem", "title", "expr"), all_queries(), ids=QUERY_IDS)
-def test_each_query_follows_the_pool_and_worker_variables(stem: str, title: str, expr: str) -> None:
+def test_each_query_follows_the_model_pool_and_worker_variables(stem: str, title: str, expr: str) -> None:
     for name, matchers in _SELECTOR.findall(expr):
         if name in WORKER_SERIES or name.startswith("worker:"):
             assert 'role=~"$pool"' in matchers and 'worker_id=~"$worker"' in matchers, (title, name)
+            assert ('model=~"$model"' in matchers) == (name != "dynserve_gateway_worker_up"), (title, name)
+        if name in GATEWAY_MODEL_SERIES or name in PLANNER_SERIES or name.startswith("model:"):
+            assert 'model=~"$model"' in matchers, (title, name)
         elif name.startswith("role:"):
             assert 'role=~"$pool"' in matchers, (title, name)
         elif name in ROUTER_SERIES or name in PLANNER_POOL_SERIES:
@@ -312,10 +326,10 @@ def test_panel_queries_reaches_panels_inside_collapsed_rows() -> None:
 
 
 def test_expand_variables_makes_queries_prometheus_can_run() -> None:
-    expr = 'sum by (worker_id) (rate(x{role=~"$pool", worker_id=~"${worker}"}[$__rate_interval]))'
-    assert expand_variables(expr) == 'sum by (worker_id) (rate(x{role=~".*", worker_id=~".*"}[1m]))'
-    assert expand_variables(expr, {"pool": "decode", "worker": "$__all"}) == (
-        'sum by (worker_id) (rate(x{role=~"decode", worker_id=~".*"}[1m]))')
+    expr = 'sum by (worker_id) (rate(x{role=~"$pool", worker_id=~"${worker}", model=~"$model"}[$__rate_interval]))'
+    assert expand_variables(expr) == 'sum by (worker_id) (rate(x{role=~".*", worker_id=~".*", model=~".*"}[1m]))'
+    assert expand_variables(expr, {"pool": "decode", "worker": "$__all", "model": "qwen3|smol"}) == (
+        'sum by (worker_id) (rate(x{role=~"decode", worker_id=~".*", model=~"qwen3|smol"}[1m]))')
     assert expand_variables("increase(x[$__range])") == "increase(x[30m])"
     with pytest.raises(ValueError, match="nope"):
         expand_variables("x{a=~\"$nope\"}")

@@ -7,8 +7,11 @@ workers each pool gets, and why).
 a test fails when the two differ). Nothing here is hand-written JSON.
 
 Invariants every dashboard keeps (tests check them): a stable uid, the tag `dynserve` (the dashboards link to
-each other through it), the template variables `datasource`, `pool` and `worker`; every panel and target reads
-`${datasource}`; every selector of a worker's series filters `role=~"$pool", worker_id=~"$worker"` and every
+each other through it), the template variables `datasource`, `model` (the models the workers serve), `pool` and
+`worker` (each offering those of the models chosen); every panel and target reads `${datasource}`; every
+selector of a worker's series filters `role=~"$pool", worker_id=~"$worker", model=~"$model"` (the gateway's
+channel to a worker, which has no model label, the first two), every selector of a gateway series labelled
+`model` (latencies, token counts, admitted requests, and their `model:` rules) `model=~"$model"`, and every
 selector of a router's or the planner's pool-labelled series `pool=~"$pool"`; raw rates use
 `$__rate_interval`; recording rules are referred to only by names `rules.RULES` defines (building fails
 otherwise). Only the planner dashboard reads the planner's series (`dynctl serve --planner` exports them), so
@@ -46,14 +49,17 @@ TIME_FROM = "now-30m"
 
 _DATASOURCE = dashboard_model.DataSourceRef(type_val="prometheus", uid="${datasource}")
 _RATE = "$__rate_interval"
-_WORKER = 'role=~"$pool", worker_id=~"$worker"'
+_MODEL = 'model=~"$model"'
+_CHANNEL = 'role=~"$pool", worker_id=~"$worker"'  # the gateway's channel to a worker (no model label)
+_WORKER = f'{_CHANNEL}, {_MODEL}'
 _POOL = 'pool=~"$pool"'
 _ROLE = 'role=~"$pool"'
 _DECODE_WORKER = f'role!="prefill", {_WORKER}'  # KV reads happen on decode workers only
 _RULE_NAMES = frozenset(rule.record for rule in RULES)
 _PLANNER_UID = "dynserve-planner"
 # the overview's link to it keeps the time range, data source and pools (Grafana expands these in panel links)
-_PLANNER_URL = f"/d/{_PLANNER_UID}?${{__url_time_range}}&${{datasource:queryparam}}&${{pool:queryparam}}"
+_PLANNER_URL = (f"/d/{_PLANNER_UID}?${{__url_time_range}}&${{datasource:queryparam}}&${{model:queryparam}}"
+                f"&${{pool:queryparam}}")
 
 Query = tuple[str, str]  # (PromQL expression, legend format)
 PanelBuilder = Any  # a panel builder of grafana_foundation_sdk (they share no base class but `Builder`)
@@ -164,33 +170,33 @@ def _overview_panels() -> list[PanelBuilder]:
         _stat("In-flight requests", "Requests admitted by the gateway and not yet answered.", "short",
               [("sum(dynserve_inflight_requests)", "in flight")]),
         _stat("Generated tokens/s", "Tokens streamed to clients.", "suffix: tok/s",
-              [(_rule("dynserve:generated_tokens:rate1m"), "tokens/s")]),
+              [(f'sum({_rule("model:dynserve_generated_tokens:rate1m", _MODEL)})', "tokens/s")]),
         _stat("Mean ISL", "Mean prompt length of finished requests (input sequence length).", "suffix: tok",
-              [(_rule("dynserve:prompt_tokens:mean1m"), "ISL")]),
+              [(_mean("dynserve_request_prompt_tokens", _MODEL), "ISL")]),
         _stat("Mean OSL", "Mean generated length of finished requests (output sequence length).", "suffix: tok",
-              [(_rule("dynserve:generation_tokens:mean1m"), "OSL")]),
+              [(_mean("dynserve_request_generation_tokens", _MODEL), "OSL")]),
         Row("Latency (as clients see it)"),
-        _graph("Time to first token", "From the request's arrival at the gateway to its first token.", "s",
-               _rule_quantiles("dynserve:time_to_first_token_seconds")),
-        _graph("Inter-token latency", "Time between consecutive tokens of a stream.", "s",
-               _rule_quantiles("dynserve:inter_token_latency_seconds")),
+        _graph("Time to first token", "From the request's arrival at the gateway to its first token, per model.",
+               "s", _rule_quantiles("model:dynserve_time_to_first_token_seconds", _MODEL, "model")),
+        _graph("Inter-token latency", "Time between consecutive tokens of a stream, per model.", "s",
+               _rule_quantiles("model:dynserve_inter_token_latency_seconds", _MODEL, "model")),
         _graph("End-to-end latency", "From the request's arrival to its last token.", "s",
-               _quantiles("dynserve_request_duration_seconds", (0.5, 0.99))),
+               _quantiles("dynserve_request_duration_seconds", (0.5, 0.99), _MODEL)),
         Row("Traffic"),
         _graph("Requests/s by status", "Answered requests by HTTP status.", "reqps",
                [(_sum_rate(requests, by="status"), "{{status}}")]),
         _graph("Tokens/s", "Tokens generated, and prompt tokens served from a worker's prefix cache.",
-               "suffix: tok/s", [(_sum_rate("dynserve_generated_tokens_total"), "generated"),
-                                 (_sum_rate("dynserve_cached_prompt_tokens_total"), "cached prompt")]),
-        _graph("Mean ISL and OSL", "Mean prompt and generated lengths of the requests finished in the last "
-               "minute.", "suffix: tok", [(_rule("dynserve:prompt_tokens:mean1m"), "ISL"),
-                                          (_rule("dynserve:generation_tokens:mean1m"), "OSL")]),
+               "suffix: tok/s", [(_sum_rate("dynserve_generated_tokens_total", _MODEL), "generated"),
+                                 (_sum_rate("dynserve_cached_prompt_tokens_total", _MODEL), "cached prompt")]),
+        _graph("Mean ISL and OSL", "Mean prompt and generated lengths of the requests finished lately.",
+               "suffix: tok", [(_mean("dynserve_request_prompt_tokens", _MODEL), "ISL"),
+                               (_mean("dynserve_request_generation_tokens", _MODEL), "OSL")]),
         _graph("Rejected requests/s by reason", "Requests refused before running (e.g. queue full, not ready), "
                "and requests re-sent to another worker after a failure.", "reqps",
                [(_sum_rate("dynserve_rejected_requests_total", by="reason"), "rejected: {{reason}}"),
                 (_sum_rate("dynserve_gateway_retries_total"), "retried")], width=12),
         _graph("Workers up (gateway's channel)", "1 while the gateway's channel to the worker is open.", "short",
-               [(f"sum by (worker_id, role) ({_selector('dynserve_gateway_worker_up', _WORKER)})",
+               [(f"sum by (worker_id, role) ({_selector('dynserve_gateway_worker_up', _CHANNEL)})",
                  "{{worker_id}} ({{role}})")], width=12),
         Row("Planner").with_panel(
             text.Panel().title("Planner").mode(TextMode.MARKDOWN).span(24).height(3)
@@ -244,11 +250,13 @@ def _workers_panels() -> list[PanelBuilder]:
 
     return [
         _stat("Workers by pool", "Workers exporting metrics, per pool.", "short",
-              [(_rule("role:dynserve_workers:count", _ROLE), "{{role}}")], width=6),
+              [(f"count by (role) ({_selector('dynserve_worker_kv_blocks_capacity', _WORKER)})", "{{role}}")],
+              width=6),
         _ratio_gauge("KV usage by pool", "KV blocks held by requests over KV blocks, per pool.",
-                     [(_rule("role:dynserve_worker_kv_usage:ratio", _ROLE), "{{role}}")]),
+                     [(f"sum by (role) ({_selector('dynserve_worker_kv_blocks_used', _WORKER)}) / sum by (role) "
+                       f"({_selector('dynserve_worker_kv_blocks_capacity', _WORKER)})", "{{role}}")]),
         _stat("Gateway channel up", "1 while the gateway's channel to the worker is open.", "short",
-              [(f"sum by (worker_id) ({_selector('dynserve_gateway_worker_up', _WORKER)})", "{{worker_id}}")],
+              [(f"sum by (worker_id) ({_selector('dynserve_gateway_worker_up', _CHANNEL)})", "{{worker_id}}")],
               width=12),
         Row("Queues and KV cache"),
         _graph("Waiting and running requests", "Requests queued on each worker (including those whose KV is "
@@ -285,9 +293,9 @@ def _workers_panels() -> list[PanelBuilder]:
                _quantiles("dynserve_worker_grammar_mask_seconds", (0.5, 0.99), _WORKER, "worker_id"), width=12),
         Row("Latency per pool (measured on the workers)"),
         _graph("Time to first token by pool", "From a request's arrival at a worker to its first token.", "s",
-               _rule_quantiles("role:dynserve_worker_time_to_first_token_seconds", _ROLE, "role"), width=12),
+               _quantiles("dynserve_worker_time_to_first_token_seconds", QUANTILES, _WORKER, "role"), width=12),
         _graph("Inter-token latency by pool", "Between the steps that decode a request, on its worker.", "s",
-               _rule_quantiles("role:dynserve_worker_inter_token_latency_seconds", _ROLE, "role"), width=12),
+               _quantiles("dynserve_worker_inter_token_latency_seconds", QUANTILES, _WORKER, "role"), width=12),
     ]
 
 
@@ -324,47 +332,47 @@ def _disaggregation_panels() -> list[PanelBuilder]:
 
 
 def _planner_panels() -> list[PanelBuilder]:
-    def planner(metric: str, matchers: str = _POOL) -> str:
-        return _selector(f"dynserve_planner_{metric}", matchers)
+    def planner(metric: str, matchers: str = _POOL) -> str:  # every planner series is labelled with its model
+        return _selector(f"dynserve_planner_{metric}", f"{matchers}, {_MODEL}")
 
     def against_target(kind: str, record_prefix: str) -> list[Query]:
-        return [(planner("observed_latency_seconds", f'{_POOL}, kind="{kind}"'), "planner read {{pool}}"),
+        return [(planner("observed_latency_seconds", f'{_POOL}, kind="{kind}"'), "planner read {{model}} {{pool}}"),
                 (_rule(f"{record_prefix}:p90", _ROLE), "p90 {{role}}"),
-                (planner("target_latency_seconds", f'kind="{kind}"'), "target")]
+                (planner("target_latency_seconds", f'kind="{kind}"'), "target {{model}}")]
 
     def predicted(quantity: str) -> str:
         return planner("predicted", f'quantity="{quantity}"')
 
-    decisions = _sum_rate("dynserve_planner_decisions_total", _POOL, "pool, reason")
+    decisions = _sum_rate("dynserve_planner_decisions_total", f"{_POOL}, {_MODEL}", "model, pool, reason")
     return [
         _stat("Workers wanted by pool", "Workers the planner wants in each pool now.", "short",
-              [(planner("workers_target"), "{{pool}}")], width=6),
+              [(planner("workers_target"), "{{model}} {{pool}}")], width=6),
         _stat("Workers serving by pool", "Workers serving in each pool now.", "short",
-              [(planner("workers_serving"), "{{pool}}")], width=6),
+              [(planner("workers_serving"), "{{model}} {{pool}}")], width=6),
         _stat("Overrides in force", "Pools whose worker count an operator fixed by hand, and that count.",
-              "short", [(planner("override_workers"), "{{pool}}")], width=6).no_value("none"),
+              "short", [(planner("override_workers"), "{{model}} {{pool}}")], width=6).no_value("none"),
         _stat("Requests waiting for a worker", "Requests the gateway holds while the fleet scales up from "
               "zero.", "short", [("sum(dynserve_gateway_waiting_for_worker_requests)", "waiting")], width=6),
         Row("Scaling"),
         _graph("Workers wanted vs serving", "The planner's target per pool, and the workers serving in it.",
-               "short", [(planner("workers_target"), "wanted {{pool}}"),
-                         (planner("workers_serving"), "serving {{pool}}")]),
+               "short", [(planner("workers_target"), "wanted {{model}} {{pool}}"),
+                         (planner("workers_serving"), "serving {{model}} {{pool}}")]),
         _graph("Workers needed (fractional)", "Workers the predicted load needs per pool, corrected by the "
-               "observed latency (sla mode).", "short", [(planner("workers_needed"), "{{pool}}")]),
+               "observed latency (sla mode).", "short", [(planner("workers_needed"), "{{model}} {{pool}}")]),
         _graph("Scale decisions/s by pool and reason", "Changes of a pool's target: sla_up, sla_down (latency "
                "targets), load_up, load_down (queues), idle, wake (a request for a fleet at zero), override, "
                "budget (the fleet's total cap), bound (a pool's min or max).", "ops",
-               [(decisions, "{{pool}}: {{reason}}")]),
+               [(decisions, "{{model}} {{pool}}: {{reason}}")]),
         Row("Load"),
         _graph("Offered vs predicted request rate", "Requests/s admitted by the gateway (the offered load the "
                "planner reads), answered, and the rate the planner predicts for its next interval.", "reqps",
-               [(_rule("dynserve:requests_admitted:rate1m"), "offered"),
+               [(f'sum({_rule("model:dynserve_requests_admitted:rate1m", _MODEL)})', "offered"),
                 (_rule("dynserve:requests:rate1m"), "answered"), (predicted("request_rate"), "predicted")],
                width=12),
         _graph("Mean ISL and OSL vs predicted", "Mean prompt and generated lengths of finished requests, and "
                "the lengths the planner predicts.", "suffix: tok",
-               [(_rule("dynserve:prompt_tokens:mean1m"), "ISL"), (predicted("isl"), "predicted ISL"),
-                (_rule("dynserve:generation_tokens:mean1m"), "OSL"), (predicted("osl"), "predicted OSL")],
+               [(_mean("dynserve_request_prompt_tokens", _MODEL), "ISL"), (predicted("isl"), "predicted ISL"),
+                (_mean("dynserve_request_generation_tokens", _MODEL), "OSL"), (predicted("osl"), "predicted OSL")],
                width=12),
         Row("Latency against the targets"),
         _graph("Time to first token vs target", "Each pool's TTFT as the planner read it, the p90 its "
@@ -375,7 +383,7 @@ def _planner_panels() -> list[PanelBuilder]:
                against_target("itl", "role:dynserve_worker_inter_token_latency_seconds")),
         _graph("Correction ratio by pool", "Observed over the profile's expected latency, smoothed (sla "
                "mode): above 1 the pool is slower than profiled, so it needs more workers.", "short",
-               [(planner("correction_ratio"), "{{pool}}")]),
+               [(planner("correction_ratio"), "{{model}} {{pool}}")]),
     ]
 
 
@@ -393,8 +401,10 @@ def _variables() -> list[dashboard_builder.DatasourceVariable | dashboard_builde
 
     return [
         dashboard_builder.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-        multi("pool", "Pool", "label_values(dynserve_worker_kv_blocks_capacity, role)"),
-        multi("worker", "Worker", 'label_values(dynserve_worker_kv_blocks_capacity{role=~"$pool"}, worker_id)'),
+        multi("model", "Model", "label_values(dynserve_worker_kv_blocks_capacity, model)"),
+        multi("pool", "Pool", 'label_values(dynserve_worker_kv_blocks_capacity{model=~"$model"}, role)'),
+        multi("worker", "Worker", 'label_values(dynserve_worker_kv_blocks_capacity{model=~"$model", role=~"$pool"}, '
+                                  'worker_id)'),
     ]
 
 
@@ -505,9 +515,9 @@ _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
 
 def expand_variables(expr: str, values: dict[str, str] | None = None) -> str:
     """`expr` with its variables replaced as Grafana would, so Prometheus can run it. `values` maps a variable's
-    name to its value (a regex for `pool` and `worker`, whose "All" becomes `.*`); unset variables take "All"
+    name to its value (a regex for `model`, `pool` and `worker`, whose "All" becomes `.*`); unset variables take "All"
     or Grafana's built-in values. Raises ValueError on a variable no dashboard defines."""
-    given = {"pool": "All", "worker": "All", **_BUILTIN_VALUES, **(values or {})}
+    given = {"model": "All", "pool": "All", "worker": "All", **_BUILTIN_VALUES, **(values or {})}
 
     def substitute(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(2)
