@@ -74,7 +74,8 @@ def test_a_two_model_spec_validates_against_the_crd_and_its_children_offline(spe
     ({"models": [SMOL, {**QWEN, "servedModelNames": ["q=Qwen3"]}]}, r"spec\.models\.1\.servedModelNames"),
     ({"models": [SMOL, {**QWEN, "pools": {"workers": {"engine": "vllm", "vllm": {"image": "v:1"}}}}]},
      r"spec\.models: qwen: a vLLM pool serves in the single-model form"),
-    ({**TWO, "planner": {"enabled": True}}, r"spec\.planner: the planner scales the pools of one model"),
+    ({**TWO, "planner": {"enabled": True}}, r"spec\.planner: on Kubernetes the planner scales the DynServePools of "
+     r"one model"),
 ])
 def test_what_one_head_cannot_serve_is_refused_naming_why(spec: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequestError, match=message):
@@ -92,7 +93,7 @@ def test_the_crd_keys_models_by_name_and_holds_the_cross_model_rules() -> None:
     assert entry["model"]["properties"] == spec["properties"]["model"]["properties"]
     messages = " ".join(r["message"] for r in spec["x-kubernetes-validations"])
     for words in ("not both", "one dtype", "every one disaggregated", "single-model form", "names its weights",
-                  "the planner scales the pools of one model"):
+                  "the planner scales the DynServePools of one model"):
         assert words in messages, words
 
 

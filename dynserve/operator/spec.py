@@ -13,11 +13,12 @@ keeps (`parse_deployment` raises InvalidRequestError naming the field otherwise)
   none the operator sets itself;
 - several models (`models`, each with its `model` and `pools`) or one (`model` and `pools`), never both; with
   `models`, `model` and `pools` read as the first model's (the gateway's default model), the one-entry list
-  is the single-model form, and each model's pools are its own DynServePools (`builders.py`). The models share
-  one layout (every one aggregated, or every one disaggregated: `dynctl serve` on the head runs one layout for
-  all), one dtype, one `engine` and no planner (it scales the pools of one model); with several models each
-  names its weights (`path` or `uri`: the bundled model serves alone); none runs vLLM (a vLLM pool serves in the single-model form); no name a client
-  may ask for (a model's id or a `servedModelNames` alias) stands for two models.
+  is the single-model form, and each model's pools are its own DynServePools (`builders.py`). The models
+  share one layout (every one aggregated, or every one disaggregated: `dynctl serve` on the head runs one
+  layout for all), one dtype, one `engine` and no planner (on Kubernetes it scales the DynServePools of one
+  model); with several models each names its weights (`path` or `uri`: the bundled model serves alone); none
+  runs vLLM (a vLLM pool serves in the single-model form); no name a client may ask for (a model's id or a
+  `servedModelNames` alias) stands for two models.
 """
 
 from __future__ import annotations
@@ -445,7 +446,7 @@ _MODELS_RULES = [
      "message": "with several models, each names its weights (model.path or model.uri)"},
     {"rule": "!has(self.models) || size(self.models) == 1 || !has(self.planner) || !has(self.planner.enabled) || "
              "!self.planner.enabled",
-     "message": "the planner scales the pools of one model: serve several models without it"},
+     "message": "on Kubernetes the planner scales the DynServePools of one model: serve several models without it"},
     {"rule": "!has(self.models) || !has(self.model) && !has(self.pools)",
      "message": "give models (several models) or model and pools (one model), not both"},
 ]
@@ -532,8 +533,9 @@ class DeploymentSpec(_Model):
     @classmethod
     def _no_planner_for_vllm(cls, planner: PlannerSpec, info: ValidationInfo) -> PlannerSpec:
         if planner.enabled and len(info.data.get("models") or []) > 1:
-            raise ValueError("the planner scales the pools of one model: serve several models without it (scale "
-                             "each model's DynServePools: kubectl scale, an HPA)")
+            raise ValueError("on Kubernetes the planner scales the DynServePools of one model (dynctl serve "
+                             "refuses --planner-kubernetes with several): serve several models without it and scale "
+                             "each model's DynServePools (kubectl scale, an HPA)")
         pools = info.data.get("pools")
         if pools is not None and pools.vllm is not None and planner.enabled:
             raise ValueError("the planner runs in dynctl serve, which does not serve a pool of vLLM pods yet: "
