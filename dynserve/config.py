@@ -8,12 +8,12 @@ would show) masks them; `secret(name)` gives the value to the code that presents
 from __future__ import annotations
 
 import socket
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["DType", "Settings"]
+__all__ = ["DType", "ModelsFileEntry", "Settings", "read_models_file"]
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _GATEWAY: dict[str, Any] = {"group": "gateway"}
@@ -23,6 +23,47 @@ _MOCKER: dict[str, Any] = {"group": "mocker"}
 _TRANSFER: dict[str, Any] = {"group": "transfer"}
 _METRICS: dict[str, Any] = {"group": "metrics"}
 _PLANNER: dict[str, Any] = {"group": "planner"}
+
+
+class ModelsFileEntry(BaseModel):
+    """One model of a models file (`Settings.models_file`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1, description="a GGUF file or Hugging Face directory, as --model takes it")
+    served_model_names: list[Annotated[str, Field(min_length=1, pattern=r"^[^\s=]+$")]] = Field(
+        [], description="other names clients may ask for it by")
+
+
+class _ModelsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    models: list[ModelsFileEntry] = Field(min_length=1)
+
+
+def read_models_file(text: str) -> list[ModelsFileEntry]:
+    """The models a models file lists (`models: [{model: PATH, served_model_names: [NAME, ...]}, ...]`, the first
+    the default model), from its YAML text; ValueError naming what is wrong (not YAML, not a list of models, an
+    unknown key, no models, an entry without its model)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"not YAML: {' '.join(str(exc).split())}") from None
+    if not isinstance(loaded, dict) or "models" not in loaded:
+        raise ValueError("give a mapping with a 'models' list: models: [{model: PATH, served_model_names: [NAME]}]")
+    try:
+        return _ModelsFile.model_validate(loaded).models
+    except ValidationError as exc:
+        raise ValueError("; ".join(f"{'.'.join(map(str, e['loc']))}: {_MODELS_FILE_PROBLEMS.get(e['type'], e['msg'])}"
+                                   for e in exc.errors())) from None
+
+
+_MODELS_FILE_PROBLEMS = {"extra_forbidden": "unknown key (the file gives models, each model its model and "
+                         "served_model_names)",
+                         "too_short": "no models listed", "missing": "missing (the model's file or directory)",
+                         "list_type": "not a list"}
 
 
 class Settings(BaseSettings):
@@ -36,6 +77,9 @@ class Settings(BaseSettings):
     extra_models: list[str] = Field([], description="dynctl serve: more models to serve beside --model, each with "
                                     "workers of its own (as many as the worker flags say), its own router and KV "
                                     "index; requests name the model they want")
+    models_file: str | None = Field(None, description="a YAML file listing the models to serve, instead of --model "
+                                    "and --served-model-name: 'models: [{model: PATH, served_model_names: [NAME, "
+                                    "...]}, ...]', the first the default model")
     dtype: DType = Field("auto", description="weights and activations dtype; 'auto': bfloat16 on a GPU that has "
                                              "it and on a CPU with AVX512-BF16 (where the engine's bf16 kernels "
                                              "run), float32 elsewhere")

@@ -74,6 +74,8 @@ def test_a_two_model_spec_validates_against_the_crd_and_its_children_offline(spe
     ({"models": [SMOL, {**QWEN, "servedModelNames": ["q=Qwen3"]}]}, r"spec\.models\.1\.servedModelNames"),
     ({"models": [SMOL, {**QWEN, "pools": {"workers": {"engine": "vllm", "vllm": {"image": "v:1"}}}}]},
      r"spec\.models: qwen: a vLLM pool serves in the single-model form"),
+    ({**TWO, "env": [{"name": "DYN_MODELS_FILE", "value": "/models/m.yaml"}]}, r"spec\.env: DYN_MODELS_FILE is "
+     r"set by the operator"),
     ({**TWO, "planner": {"enabled": True}}, r"spec\.planner: on Kubernetes the planner scales the DynServePools of "
      r"one model"),
 ])

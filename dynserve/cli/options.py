@@ -16,7 +16,7 @@ import pydantic
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 
-__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "add_settings_group", "settings_from"]
+__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "add_settings_group", "settings_from", "with_models_file"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -60,7 +60,34 @@ def settings_from(args: argparse.Namespace) -> Settings:
         if more:
             given["extra_models"] = [*more, *given.get("extra_models", [])]
     try:
-        return Settings(**given)
+        settings = Settings(**given)
     except pydantic.ValidationError as exc:
         problems = "; ".join(f"--{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}" for e in exc.errors())
         raise InvalidRequestError(problems) from None
+    return with_models_file(settings) if settings.models_file is not None else settings
+
+
+def with_models_file(settings: Settings) -> Settings:
+    """`settings` with the models of its `models_file` as `--model` and `--served-model-name` would give them
+    (the first model's names plain, another's as NAME=MODEL_ID); InvalidRequestError for a file that cannot be
+    read or names none, or beside those flags."""
+    from pathlib import Path
+
+    from dynserve.config import read_models_file
+    from dynserve.model.resolve import model_id_of
+
+    path = Path(str(settings.models_file)).expanduser()
+    if settings.model is not None or settings.extra_models or settings.served_model_names:
+        raise InvalidRequestError("--models-file lists the models and their names: give it, or --model and "
+                                  "--served-model-name (DYN_MODEL, DYN_EXTRA_MODELS, DYN_SERVED_MODEL_NAMES), not "
+                                  "both", param="models_file")
+    try:
+        first, *more = read_models_file(path.read_text())
+    except OSError as exc:
+        raise InvalidRequestError(f"--models-file: cannot read {path}: {exc.strerror}", param="models_file") from None
+    except ValueError as exc:
+        raise InvalidRequestError(f"--models-file {path}: {exc}", param="models_file") from None
+    names = [*first.served_model_names, *(f"{name}={model_id_of(Path(entry.model).expanduser())}"
+                                          for entry in more for name in entry.served_model_names)]
+    return settings.model_copy(update={"model": first.model, "extra_models": [entry.model for entry in more],
+                                       "served_model_names": names})

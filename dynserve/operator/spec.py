@@ -55,6 +55,7 @@ OPERATOR_ENV = frozenset({
     "DYN_BIND_HOST", "DYN_PREFILL_WORKERS", "DYN_DECODE_WORKERS", "DYN_WORKERS", "DYN_POOLS_FOLLOW_NODES",
     "DYN_REDIS_URL", "DYN_ROUTER", "DYN_TRANSFER_BACKEND", "DYN_PLANNER", "DYN_PROMETHEUS", "DYN_PROMETHEUS_URL",
     "DYN_WORKER_METRICS_PORT", "DYN_NAMESPACE", "DYN_MOCKER", "DYN_CLUSTER_TOKEN",
+    "DYN_EXTRA_MODELS", "DYN_MODELS_FILE", "DYN_SERVED_MODEL_NAMES",  # spec.models
 })
 # vLLM's server flags the operator sets from the spec (`vllm.args` may not repeat them; vLLM reads `_` as `-`)
 VLLM_OPERATOR_FLAGS = ("model", "served-model-name", "host", "port", "block-size", "kv-events-config")
