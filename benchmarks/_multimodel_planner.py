@@ -153,9 +153,20 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
         "errors": sorted({r.error for r in run.results if r.error})[:5],
         "ttft_p50_ms": percentile(ttfts, 50), "ttft_p95_ms": percentile(ttfts, 95),
         "mean_itl_p50_ms": percentile(itls, 50), "mean_itl_p95_ms": percentile(itls, 95),
+        "ttft_p95_ms_by_window": _p95_by_window(trace, run.results, window_s),
         "send_lag_p99_real_ms": percentile(lags, 99), "server_cpu_cores": run.server_cpu_cores,
         "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s,
     }
+
+
+def _p95_by_window(trace: TurnsTrace, results: Sequence[StreamedCompletion], window_s: float) -> list[float | None]:
+    """The TTFT p95 (ms) of the requests arriving in each window of `window_s` (None: none completed)."""
+    num_windows = max(1, math.ceil(trace.duration_s / window_s - 1e-9))
+    ttfts: list[list[float]] = [[] for _ in range(num_windows)]
+    for request, result in zip(trace.requests, results, strict=True):
+        if result.ttft_s is not None:
+            ttfts[min(num_windows - 1, int(request.timestamp_s // window_s))].append(result.ttft_s * 1e3)
+    return [round(p, 1) if (p := percentile(values, 95)) is not None else None for values in ttfts]
 
 
 def summarize_static(run: FleetRun, trace: TurnsTrace, names: Sequence[str], sizing: Sizing,
@@ -256,7 +267,8 @@ class TurnsPlan:
 
     shape: TurnsShape
     interval_s: float = 2.0  # the planner's decision interval
-    window_s: float = 4.0  # its read window; the static fleet is sized on the busiest such window
+    window_s: float = 4.0  # its read window
+    sizing_window_s: float = 4.0  # the static fleet carries each model's busiest window of this length
     attainment_window_s: float = 10.0
 
 
@@ -287,7 +299,7 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
 
     names = [link.name.split(".")[0] for link in links]
     trace = generate(plan.shape, seed)
-    sizing = size_fleets(profile.shipped(PROFILE), trace, plan.window_s, ttft_target_s=SIZING.ttft_ms / 1000,
+    sizing = size_fleets(profile.shipped(PROFILE), trace, plan.sizing_window_s, ttft_target_s=SIZING.ttft_ms / 1000,
                          itl_target_s=SIZING.itl_ms / 1000)
     log(f"planner half: {len(trace.requests)} requests for {len(names)} models in {trace.duration_s:g} s; "
         f"static fleet {sizing.static_fleet} a model ({sizing.static_workers} workers), planner budget "
@@ -308,7 +320,7 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
     result = _half_result(plan, trace, sizing, summaries)
     result["png_planner"] = None
     if png is not None and "static" in summaries and "planner" in summaries:
-        plot(png, trace, names, sizing, summaries["static"], summaries["planner"], window_s=plan.window_s)
+        plot(png, trace, names, sizing, summaries["static"], summaries["planner"], window_s=plan.sizing_window_s)
         result["png_planner"] = str(png)
     return result
 
@@ -320,7 +332,7 @@ def _half_result(plan: TurnsPlan, trace: TurnsTrace, sizing: Sizing,
     from benchmarks.planner import PROFILE, SIZING
 
     static, planner = summaries.get("static"), summaries.get("planner")
-    oracle_s = sum(n * min(plan.window_s, trace.duration_s - k * plan.window_s)
+    oracle_s = sum(n * min(plan.sizing_window_s, trace.duration_s - k * plan.sizing_window_s)
                    for k, n in enumerate(sizing.oracle_workers))
     both = static is not None and planner is not None
     return {

@@ -52,7 +52,7 @@ import os
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -220,6 +220,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run the throughput half, the planner half, or both [default: both]")
     parser.add_argument("--fleets", nargs="+", choices=("static", "planner"), default=["static", "planner"],
                         help="the planner half's fleets, in this order (one alone: the ratio is null)")
+    parser.add_argument("--turn-models", type=int, default=None,
+                        help="the planner half's models [default: the plan's, 3 quick, 10 full]")
+    parser.add_argument("--phase-s", type=float, default=None,
+                        help="the planner half's rise (and fall) of each model, seconds [default: the plan's]")
+    parser.add_argument("--planner-window-s", type=float, default=None,
+                        help="the planner's read window, seconds [default: the plan's]")
+    parser.add_argument("--planner-interval-s", type=float, default=None,
+                        help="the planner's decision interval, seconds [default: the plan's]")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--log-dir", type=Path, default=None,
@@ -271,6 +279,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
     turns = QUICK_TURNS if args.quick else FULL_TURNS
+    turns = replace(turns, shape=replace(turns.shape, num_models=args.turn_models or turns.shape.num_models,
+                                         phase_s=args.phase_s or turns.shape.phase_s),
+                    window_s=args.planner_window_s or turns.window_s, interval_s=args.planner_interval_s or turns.interval_s)
     output = args.output or RESULTS_DIR / f"multimodel-{time.strftime('%Y%m%d-%H%M%S')}.json"
     start_s = time.monotonic()
     load_avg_before = os.getloadavg()[0]
