@@ -19,6 +19,7 @@ from dynserve.operator.crd import deployment_crd
 from dynserve.operator.kube import KubeClient
 from dynserve.operator.reconcile import deployment_status, reconcile_deployment, reconcile_pool
 from dynserve.operator.spec import API_VERSION, KIND, POOL_KIND, parse_deployment
+from dynserve.workers.pool import node_resource
 from tests._kube import validate, validate_all
 from tests.kube_standin import KubeStandin, write_kubeconfig
 
@@ -139,10 +140,14 @@ def test_each_model_gets_pools_of_its_own_that_never_select_the_others_pods() ->
 
 
 def test_each_models_pods_offer_its_own_ray_resource_and_mount_its_own_files() -> None:
+    children = build_children("duo", NS, parse_deployment(TWO_DISAGG))
+    for index, model in enumerate(("", "qwen-")):  # the resource a pool of the head's model I follows
+        for pool in ("prefill", "decode"):
+            command = _pod(children, f"duo-{model}{pool}")["containers"][0]["command"][-1]
+            assert f"--resources='{{\"{node_resource(pool, index)}\":1}}'" in command, (model, pool)
+    assert node_resource("both", 1) == "dynserve_pool_m1_both" and node_resource("both") == "dynserve_pool_both"
     children = build_children("duo", NS, parse_deployment(TWO))
     smol, qwen = _pod(children, "duo-workers"), _pod(children, "duo-qwen-workers")
-    assert "--resources='{\"dynserve_pool_both\":1}'" in smol["containers"][0]["command"][-1]
-    assert "--resources='{\"dynserve_pool_m1_both\":1}'" in qwen["containers"][0]["command"][-1]
     # smol's file is fetched into its pods' emptyDir at /models; qwen's volume is at /models/qwen in its own
     assert [i["command"][-2:] for i in smol["initContainers"]] == [
         ["https://models.example.com/smollm2.Q8_0.gguf", "/models/smollm2.Q8_0.gguf"]]

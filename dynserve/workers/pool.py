@@ -201,9 +201,11 @@ class PoolPolicy:
         return worker_id
 
 
-def node_resource(role: str) -> str:
-    """The Ray resource a node made for a pool of `role` offers (one unit: one worker), in follow mode."""
-    return f"dynserve_pool_{role}"
+def node_resource(role: str, model_index: int = 0) -> str:
+    """The Ray resource a node made for a pool of `role` offers (one unit: one worker), in follow mode: the first
+    (default) model's `dynserve_pool_ROLE`, the I-th model's `dynserve_pool_mI_ROLE` (counting from 0), so each
+    model's pools follow only the nodes made for them (the operator's pods offer the same: its `pool_resource`)."""
+    return f"dynserve_pool_{role}" if model_index == 0 else f"dynserve_pool_m{model_index}_{role}"
 
 
 def worker_resources(num_cluster_gpus: float, num_cpus: float) -> dict[str, float]:
@@ -219,14 +221,16 @@ class WorkerPool:
     drains a worker and ends its actor; `workers()` lists the serving ones; `close()` ends them all.
 
     Follow mode (`settings.pools_follow_nodes`, how the operator runs a fleet): the pool's size is not asked
-    for but read from the cluster: one worker on each node offering the resource `node_resource(role)` (a
-    Kubernetes pod of the pool's Deployment), taking that node's CPUs and GPUs; `start` returns the workers
-    serving once the first of them does, and the monitor follows nodes as they join and leave.
+    for but read from the cluster: one worker on each node offering the resource `node_resource(role,
+    model_index)` (a Kubernetes pod of the pool's Deployment: `model_index` is the pool's model among those one
+    gateway serves), taking that node's CPUs and GPUs; `start` returns the workers serving once the first of
+    them does, and the monitor follows nodes as they join and leave.
     """
 
     def __init__(self, settings: Settings, *, name: str = "pool", role: Role = "both",
-                 registry: EventPlane | None = None) -> None:
+                 registry: EventPlane | None = None, model_index: int = 0) -> None:
         self.settings, self.role = settings, role
+        self.node_resource = node_resource(role, model_index)  # the nodes it follows (follow mode)
         self.policy = PoolPolicy(name, RestartPolicy.from_settings(settings), settings.pool_unresponsive_s)
         self._registry = registry
         self._owns_registry = registry is None  # then `registry` connects on first use and `close` closes it
@@ -277,7 +281,7 @@ class WorkerPool:
         import ray
 
         total = await asyncio.to_thread(ray.cluster_resources)
-        new, dropped = self.policy.follow(int(total.get(node_resource(self.role), 0)), time.monotonic())
+        new, dropped = self.policy.follow(int(total.get(self.node_resource, 0)), time.monotonic())
         for worker_id in dropped:
             logger.info("pool %s: its node left before %s started; dropping it", self.name, worker_id)
             self.policy.died(worker_id, time.monotonic())
@@ -340,7 +344,7 @@ class WorkerPool:
             cpus, gpus = await asyncio.to_thread(self._node_size)
             settings = settings.model_copy(update={"num_threads": settings.num_threads or max(1, int(cpus))})
             resources: dict[str, Any] = {"num_cpus": cpus, "num_gpus": gpus,
-                                         "resources": {node_resource(self.role): 1.0}}
+                                         "resources": {self.node_resource: 1.0}}
         else:
             if self._resources is None:
                 num_gpus = 0.0 if settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
@@ -366,7 +370,7 @@ class WorkerPool:
         import ray
 
         for node in ray.nodes():
-            if node.get("Alive") and node_resource(self.role) in node.get("Resources", {}):
+            if node.get("Alive") and self.node_resource in node.get("Resources", {}):
                 gpus = 0.0 if self.settings.mocker is not None else node["Resources"].get("GPU", 0.0)
                 return node["Resources"].get("CPU", 0.0), gpus
         return 0.0, 0.0
