@@ -266,14 +266,14 @@ class TurnsPlan:
     seconds: the mockers run at speedup 1)."""
 
     shape: TurnsShape
-    interval_s: float = 2.0  # the planner's decision interval
-    window_s: float = 4.0  # its read window
+    interval_s: float = 1.0  # the planner's decision interval
+    window_s: float = 2.0  # its read window
     sizing_window_s: float = 4.0  # the static fleet carries each model's busiest window of this length
     attainment_window_s: float = 10.0
 
 
 QUICK_TURNS = TurnsPlan(TurnsShape(num_models=3, phase_s=20.0, peak_rate_per_s=7.5, trickle_rate_per_s=0.3))
-FULL_TURNS = TurnsPlan(TurnsShape(num_models=10, phase_s=20.0, peak_rate_per_s=7.5, trickle_rate_per_s=0.3))
+FULL_TURNS = TurnsPlan(TurnsShape(num_models=10, phase_s=30.0, peak_rate_per_s=7.5, trickle_rate_per_s=0.3))
 
 
 def fleet_flags(plan: TurnsPlan, links: Sequence[Path], sizing: Sizing) -> dict[str, list[str]]:
