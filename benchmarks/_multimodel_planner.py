@@ -268,7 +268,7 @@ class TurnsPlan:
     shape: TurnsShape
     interval_s: float = 1.0  # the planner's decision interval
     window_s: float = 2.0  # its read window
-    sizing_window_s: float = 4.0  # the static fleet carries each model's busiest window of this length
+    sizing_window_s: float = 10.0  # the static fleet carries each model's busiest window of this length
     attainment_window_s: float = 10.0
 
 

@@ -13,8 +13,8 @@ and the others a trickle. The trace lasts `(num_models + 1) * phase_s`: model 0 
 phase, the last model falls alone in the last. Arrivals by thinning (as `planner_trace.generate`); prompt and
 answer lengths lognormal (`planner_trace.LengthDistribution`), drawn independently of time and model.
 
-**Sizing** (`size_fleets`): a model's load in each window of `window_s` (the planner's read window) is its
-arrivals in it; `planner.fleet_for_rate` turns a rate into workers per pool at the sizing targets, at the
+**Sizing** (`size_fleets`): a model's load in each window of `window_s` (the benchmark's sizing window) is
+its arrivals in it; `planner.fleet_for_rate` turns a rate into workers per pool at the sizing targets, at the
 trace's mean ISL and OSL. The static fleet gives every model the workers its own busiest window needs (the
 largest over the models: `dynctl serve` gives every model the same pools, and the models' shapes are the
 same but for the Poisson draws); the planner's shared budget is the most that all models' windows need at

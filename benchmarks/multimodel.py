@@ -1,20 +1,23 @@
-"""Several models behind one gateway: does the gateway's per-request cost grow with the number of models it
-serves? A fleet of 10 models with 1 mocker worker each, sent a Zipf mix of requests, against a fleet of 1
-model with 10 mocker workers, sent the very same requests, in one run.
+"""Several models behind one gateway, in two halves (issue 36). **Throughput**: does the gateway's per-request
+cost grow with the number of models it serves? **Planner**: does a planner per model, sharing one budget,
+serve models that take turns being busy with fewer workers than a static fleet sized for each model's peak?
 
-Both fleets are a real `dynctl serve --mocker cpu --mocker-speedup 1000` (gateway with its `kv` router in
-its own process, mocker workers as Ray actors, the embedded event plane, a Ray instance each), both up
-together:
+## The throughput half
+
+A fleet of 10 models with 1 mocker worker each, sent a Zipf mix of requests, against a fleet of 1 model with
+10 mocker workers, sent the very same requests, in one run. Both fleets are a real `dynctl serve --mocker cpu
+--mocker-speedup 1000` (gateway with its `kv` router in its own process, mocker workers as Ray actors, the
+embedded event plane, a Ray instance each), both up together:
 
 1. **one model**: `--model model-00 --workers 10`: one backend, one router choosing among 10 workers;
 2. **10 models**: `--model model-00 ... --model model-09 --workers 1`: ten backends (dispatcher, router, KV
    index, tokenizer each), each with its one worker; each request's model drawn from a Zipf mix (exponent
    1: the hottest model takes 34% of the requests, the coldest 3.4%).
 
-The ten models are ten symlinks, under distinct names in a temporary directory, to the bundled SmolLM2
-GGUF: a model's id is its file name up to the first dot, and a mocker reads only the tokenizer from it. At
-speedup 1000 a mocker's modelled step is a fraction of a millisecond, so the time that is measured is the
-serving path (HTTP, chat template, tokenizer, routing, worker channel, detokenizing, SSE), as in
+The models are symlinks, under distinct names in a temporary directory, to the bundled SmolLM2 GGUF: a
+model's id is its file name up to the first dot, and a mocker reads only the tokenizer from it. At speedup
+1000 a mocker's modelled step is a fraction of a millisecond, so the time that is measured is the serving
+path (HTTP, chat template, tokenizer, routing, worker channel, detokenizing, SSE), as in
 `benchmarks.frontend`; the two fleets have the same number of worker processes, so the machine's two cores
 carry the same fleet in both.
 
@@ -29,17 +32,64 @@ CPU, measured before the warm-up, is reported: `idle_cpu_percent`, % of one core
 Reported per fleet: `req_per_s` (the median of its rounds) and every round's, the latency (send to
 `[DONE]`) p50/p90/p99 over all rounds, and the CPU each part spent per request: the gateway (the `dynctl
 serve` process itself), the rest of the fleet (mockers, Ray, event plane) and this client. Then
-`req_per_s_ratio_10_models_over_1` (the acceptance of issue 36: >= 0.9, median of 3 full runs),
+`req_per_s_ratio_10_models_over_1` (the issue's target: >= 0.9, median of 3 full runs),
 `latency_p50_added_ms` / `latency_p99_added_ms` (10 models minus 1) and `gateway_cpu_ratio_10_models_over_1`,
-which the machine's phases move less than req/s. `worker_s_ratio_planner_over_static` is null: the planner
-scales the pools of one model, and `dynctl serve --planner` refuses several.
+which the machine's phases move less than req/s.
 
-`--quick` (about a minute) serves 4 models (4 workers in both fleets) and plays 3 rounds of 800 requests
-instead of 5 of 3,000; its ratio is named `req_per_s_ratio_4_models_over_1`. The last stdout line
-is the JSON result; a copy goes to `benchmarks/results/multimodel-<timestamp>.json`, and a PNG of req/s by
-round and the latency percentiles of both fleets beside it.
+## The planner half
 
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.multimodel [--quick]
+**The trace** (`_multimodel_trace.py`): 10 models, each sent a trickle of 0.3 req/s plus a bump that rises
+to 7.5 req/s over 30 s and falls back over the next 30 s, each model's bump starting as the one before it
+peaks: at any time one model carries most of the load (two while they hand over) and the others a trickle;
+11 phases, 330 s. Prompts lognormal around 2,800 tokens, answers around 140, every prompt its own, each
+request to its model as a streamed completion of exactly its length. The mockers simulate Llama-3.1-70B on
+4 H100s (`--mocker llama-3.1-70b-h100-tp4`, speedup 1: modelled time is wall time), disaggregated, as
+`benchmarks.planner` runs them: long prompts and short answers, so that the prefill pool, the one that
+scales most, needs 3 workers at a model's peak while the tokens streamed (what costs this machine's CPU)
+stay near 1,200 a second.
+
+**The fleets**, one after the other (static first), each a fresh `dynctl serve` (`_multimodel_planner.py`):
+
+1. **static**: every model with the pools its own busiest 10 s window needs, by the planner's capacity math
+   (`benchmarks.planner.fleet_for_rate` at the sizing targets, 1 s TTFT and 20 ms ITL, and the trace's mean
+   ISL and OSL): 3 prefill + 2 decode at seed 0, 50 workers for 10 models. (Shorter windows size for
+   Poisson noise: on 4 s windows seed 0's busiest model reads 12 req/s and every model would get 4 + 2.)
+2. **planner**: every model from 1 prefill + 1 decode worker, `--planner --planner-mode sla` with the mocker
+   profile's shipped capacity profile and the same targets, each model's pools bounded by [1, the static
+   fleet's], all models within `--planner-max-total-workers`: the most that all models' 10 s windows need
+   at once, plus 2 (25 at seed 0). The planner decides every second on a 2 s read window: at 2 s and 4 s
+   (`benchmarks.planner`'s clock) it added a rising model's second prefill worker about 5 s after one
+   worker stopped keeping up, and 4-7% of the requests missed the SLO where the static fleet's met it.
+
+Why 10 models fit this 2-core machine: the fleets run one after the other, so it holds one at a time; 50
+mockers idle at about 0.9 of a core (Ray included, Prometheus scraping each every second) and start in
+about 70 s. Why 30 s: a busy phase long against the planner's reaction (a 2 s window, a decision every
+second, a worker started in about 2 s), and both fleets' replays, their starts and the throughput half
+within about 15 minutes.
+
+Each request is judged by `benchmarks.planner.SLO` (TTFT <= 2 s, mean ITL <= 25 ms). Reported:
+`worker_s_planner` (serving workers integrated over the replay, from `GET /planner`'s `models` read every
+0.5 s), `worker_s_static` (its size times the replay), `worker_s_ratio_planner_over_static` (the issue's
+target: <= 0.7 at equal or better attainment), `worker_s_oracle` (every 10 s window's need, as if the
+planner knew the load and workers started at once), `attainment_planner`, `attainment_static` and their
+difference, `scale_events_by_model` (changes of each pool's target); under `planner_half`, per fleet:
+attainment per model and per 10 s window, TTFT p95 per window, latency percentiles, the server's CPU, the
+client's send lag; the planner's samples and decisions per model; and a PNG
+(`benchmarks/results/multimodel-<timestamp>-planner.png`): offered load per model, the planner's workers per
+model against the static fleet's, all workers (stacked by model, static, the oracle), attainment per window.
+
+## Running it
+
+`--quick` (about 4 minutes) serves 4 models in the throughput half (4 workers in both fleets, 3 rounds of
+800 requests instead of 5 of 3,000; its ratio is `req_per_s_ratio_4_models_over_1`) and 3 models rising
+over 20 s in the planner half (80 s a fleet). `--half throughput|planner|both` runs one half or both;
+`--fleets` the planner half's fleets (one alone: the ratio is null); `--turn-models`, `--phase-s`,
+`--planner-window-s`, `--planner-interval-s` change the planner half's plan; `--log-dir` keeps the servers'
+logs. The full run takes about 15 minutes. The last stdout line is the JSON result; a copy goes to
+`benchmarks/results/multimodel-<timestamp>.json`, the throughput half's PNG (req/s by round, latency
+percentiles) beside it.
+
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.multimodel [--quick] [--half throughput|planner|both]
 
 The measurements and their history: `docs/benchmarks.md` (multimodel).
 """

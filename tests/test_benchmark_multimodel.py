@@ -123,7 +123,7 @@ def test_the_static_fleet_carries_each_models_busiest_window() -> None:
 def test_the_benchmarks_static_fleet_is_more_than_twice_what_the_load_needs_on_average() -> None:
     """The headroom the planner can win back: the quick trace's static fleet against the oracle's mean."""
     trace = generate(QUICK_TURNS.shape, 0)
-    sizing = size_fleets(PROFILE, trace, QUICK_TURNS.window_s, **TARGETS)
+    sizing = size_fleets(PROFILE, trace, QUICK_TURNS.sizing_window_s, **TARGETS)
     mean_need = sum(sizing.oracle_workers) / len(sizing.oracle_workers)
     assert mean_need < 0.7 * sizing.static_workers
     assert max(sizing.oracle_workers) < sizing.budget <= sizing.static_workers
