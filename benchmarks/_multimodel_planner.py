@@ -50,6 +50,7 @@ __all__ = ["FULL_TURNS", "QUICK_TURNS", "FleetRun", "ModelsPoller", "TurnsPlan",
            "plot", "run_fleet", "run_planner_half", "summarize_planner", "summarize_static"]
 
 WARM_UP_ISL = 2000
+LOAD_WINDOW_S = 5.0  # the offered load as the picture draws it
 
 
 class ModelsPoller(PlannerPoller):
@@ -206,19 +207,22 @@ def summarize_planner(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wi
 def plot(path: Path, trace: TurnsTrace, names: Sequence[str], sizing: Sizing, static: Mapping[str, Any],
          planner: Mapping[str, Any], *, window_s: float) -> None:
     """Offered load per model; the planner's serving workers per model against the static fleet's; all
-    workers together (planner stacked by model, static, the oracle); attainment per window."""
+    workers together (planner stacked by model, static, the oracle on the sizing windows of `window_s`);
+    attainment per window."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     colors = plt.get_cmap("tab10")
     figure, (load_ax, model_ax, total_ax, attain_ax) = plt.subplots(4, 1, figsize=(12, 12), sharex=True)
-    rates = rates_by_model(trace, window_s)
-    starts = [k * window_s for k in range(len(rates[0]))]
+    rates = rates_by_model(trace, LOAD_WINDOW_S)
+    load_starts = [k * LOAD_WINDOW_S for k in range(len(rates[0]))]
     for i, name in enumerate(names):
-        load_ax.step(starts, rates[i], where="post", color=colors(i % 10), label=name)
-    load_ax.set_ylabel(f"offered load (req/s, {window_s:g} s windows)")
+        load_ax.step([*load_starts, trace.duration_s], [*rates[i], rates[i][-1]], where="post",
+                     color=colors(i % 10), label=name)
+    load_ax.set_ylabel(f"offered load (req/s, {LOAD_WINDOW_S:g} s windows)")
     load_ax.legend(fontsize="x-small", ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     times = [t_s for t_s, *_ in planner["replicas"]]
     per_model = static["fleet_per_model"]
@@ -230,13 +234,16 @@ def plot(path: Path, trace: TurnsTrace, names: Sequence[str], sizing: Sizing, st
         stacked.append(counts)
         model_ax.step(times, counts, where="post", color=colors(i % 10), label=f"planner {name}")
     model_ax.set_ylabel("serving workers per model")
+    model_ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     model_ax.legend(fontsize="x-small", ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if times:
         total_ax.stackplot(times, stacked, colors=[colors(i % 10) for i in range(len(names))], step="post",
                            alpha=0.7)
     total_ax.axhline(static["num_workers"], color="black", linestyle="--",
                      label=f"static ({static['worker_s']:.0f} worker-s)")
-    total_ax.step(starts, sizing.oracle_workers, where="post", color="grey", linewidth=0.8,
+    starts = [k * window_s for k in range(len(sizing.oracle_workers))]
+    total_ax.step([*starts, trace.duration_s], [*sizing.oracle_workers, sizing.oracle_workers[-1]], where="post",
+                  color="grey", linewidth=0.8,
                   label="the load's need (oracle)")
     total_ax.plot([], [], color="tab:blue", label=f"planner, stacked by model ({planner['worker_s']:.0f} worker-s)")
     total_ax.set_ylabel("serving workers, all models")
@@ -244,8 +251,8 @@ def plot(path: Path, trace: TurnsTrace, names: Sequence[str], sizing: Sizing, st
     attain_window_s = trace.duration_s / len(static["attainment_by_window"])
     for fleet, summary, color in (("static", static, "black"), ("planner", planner, "tab:blue")):
         values = [math.nan if a is None else a for a in summary["attainment_by_window"]]
-        attain_ax.step([k * attain_window_s for k in range(len(values))], values, where="post", color=color,
-                       label=f"{fleet} ({summary['attainment']:.3f})")
+        attain_ax.step([k * attain_window_s for k in range(len(values) + 1)], [*values, values[-1]], where="post",
+                       color=color, label=f"{fleet} ({summary['attainment']:.3f})")
     attain_ax.set_ylabel("attainment (TTFT and mean ITL)")
     attain_ax.set_ylim(-0.02, 1.02)
     attain_ax.set_xlabel("replay time (s)")
