@@ -239,9 +239,11 @@ async def _serve(settings: Settings, tokenizers: list[Any]) -> None:
     threads = settings.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
     # following nodes, a worker has its node to itself and takes the node's CPUs (workers/pool.py)
     worker_settings = settings if settings.pools_follow_nodes else settings.model_copy(update={"num_threads": threads})
-    # the first model's pools are w (or p and d); the next models' m1-w, m2-w, ...
+    # the first model's pools are w (or p and d); the next models' m1-w, m2-w, ... (following nodes, model i's
+    # pools follow the nodes that offer its resources: workers/pool.py's node_resource)
     pools = [(WorkerPool(worker_settings.model_copy(update={"model": model, "extra_models": []}),
-                         name=name if i == 0 else f"m{i}-{name}", role=role), n)  # type: ignore[arg-type]
+                         name=name if i == 0 else f"m{i}-{name}", role=role,  # type: ignore[arg-type]
+                         model_index=i), n)
              for i, model in enumerate(models) for name, role, n in layout]
     registry = pools[0][0].registry  # before any worker: the embedded event plane starts on this node
     prometheus: list[Any] = []  # the Prometheus this command runs (--prometheus), once started
