@@ -172,3 +172,32 @@ def test_a_pools_router_reads_only_its_members_kv_events() -> None:
         return [b.worker_id for b in first], [b.worker_id for b in then]
 
     assert asyncio.run(scenario()) == (["a-0", "a-0"], ["b-0"])
+
+
+def test_a_gateway_of_several_models_waits_for_a_worker_of_its_default_model() -> None:
+    """`dynctl gateway --model A --model B` over a fleet's registry: the default model's backend takes A's
+    workers, whichever model registered first (B's join through model discovery)."""
+    import asyncio
+
+    from dynserve.cli.gateway import default_model_id, first_workers
+    from dynserve.config import Settings
+    from dynserve.events.memory import MemoryEventPlane
+    from dynserve.protocol import WorkerInfo
+
+    def info(worker_id: str, model_id: str) -> WorkerInfo:
+        return WorkerInfo(worker_id=worker_id, role="both", host="127.0.0.1", port=1, model_id=model_id,
+                          max_model_len=2048, block_size=16, num_blocks=64)
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        plane = MemoryEventPlane()
+        await plane.register(info("b-0", "tiny"), ttl_s=60)
+        anyone = await first_workers(plane, None, poll_s=0.01)
+        waiting = asyncio.ensure_future(first_workers(plane, SMOL, poll_s=0.01))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # only the other model's worker so far
+        await plane.register(info("a-0", SMOL), ttl_s=60)
+        return [i.worker_id for i in anyone], [i.worker_id for i in await asyncio.wait_for(waiting, 5)]
+
+    assert asyncio.run(scenario()) == (["b-0"], ["a-0"])
+    assert default_model_id(Settings(model=str(default_model_path()), extra_models=["b"])) == SMOL
+    assert default_model_id(Settings(model=str(default_model_path()))) is None  # one model: the fleet names it

@@ -2,7 +2,9 @@
 runs `dynctl serve`; its extra gateway pods run this). It joins the fleet's Ray cluster (`--ray-address`) or
 reads its Redis event plane (`--redis-url`), waits for the first worker to register, then serves the OpenAI
 API over every worker of the registry, following them as they come and go, with its own router fed by the
-workers' KV events. It starts and stops no worker, and runs no planner.
+workers' KV events. It starts and stops no worker, and runs no planner. With several `--model`s (the fleet's
+`dynctl serve` got the same), the first is the default model: the gateway waits for one of its workers, and
+the others' workers add their models as they register (`gateway/discovery.py`).
 
 `--worker-url` attaches servers others run (vLLM, any OpenAI-compatible one: `workers.attached`) as
 workers: on the fleet's registry when one is given, else on an event plane of this process alone.
@@ -21,9 +23,10 @@ from typing import Any
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 from dynserve.events.base import EventPlane
+from dynserve.protocol import WorkerInfo
 from dynserve.workers.attached import AttachedWorker, WorkerUrl, describe_when_up, parse_worker_url
 
-__all__ = ["attach", "gateway"]
+__all__ = ["attach", "default_model_id", "first_workers", "gateway"]
 
 EXIT_OK = 0
 
@@ -59,9 +62,7 @@ async def _gateway(settings: Settings, tokenizer: Any, specs: list[WorkerUrl]) -
                                        cluster_token=settings.secret("cluster_token"))
     attached = await _attach(settings, registry, specs)
     try:
-        print("waiting for the fleet's first worker to register...", file=sys.stderr, flush=True)
-        while not (infos := await registry.workers()):
-            await asyncio.sleep(1.0)
+        infos = await first_workers(registry, default_model_id(settings))
         own_plane = isinstance(registry, MemoryEventPlane)  # the router reads the relayed events from it too
         app = make_gateway_app(settings, infos, tokenizer, registry=registry, events=registry if own_plane else None)
 
@@ -73,6 +74,26 @@ async def _gateway(settings: Settings, tokenizer: Any, specs: list[WorkerUrl]) -
     finally:
         await asyncio.gather(*(worker.stop() for worker in attached), return_exceptions=True)
         await registry.close()
+
+
+def default_model_id(settings: Settings) -> str | None:
+    """The id of the model a gateway of several models (`--model` given twice or more) serves by default, the
+    first; None with one model (the fleet's first worker names it: an attached server's id may be its own)."""
+    if not settings.extra_models:
+        return None
+    from dynserve.model.resolve import model_id_of, resolve_model_path
+
+    return model_id_of(resolve_model_path(settings.model))
+
+
+async def first_workers(registry: EventPlane, model_id: str | None, poll_s: float = 1.0) -> list[WorkerInfo]:
+    """The registry's workers of `model_id` (any model when None) once there is one. The other models' workers
+    join the gateway through model discovery: the default model's backend and tokenizer are its own."""
+    of = "" if model_id is None else f" of {model_id}"
+    print(f"waiting for the fleet's first worker{of} to register...", file=sys.stderr, flush=True)
+    while not (infos := [info for info in await registry.workers() if model_id in (None, info.model_id)]):
+        await asyncio.sleep(poll_s)
+    return infos
 
 
 async def _attach(settings: Settings, registry: EventPlane, specs: list[WorkerUrl]) -> list[AttachedWorker]:
