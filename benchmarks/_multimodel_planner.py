@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class FleetRun:
     ready_s: float
     replay_wall_s: float
     server_cpu_cores: float
+    load_avg_1m_after: float | None = None  # the machine's, as the replay ended: other work shares the cores
     samples: list[tuple[float, dict[str, dict[str, int]], dict[str, dict[str, int]]]] = field(default_factory=list)
     decisions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -123,7 +125,7 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
         if any(r.error for r in results):
             log(f"{label}: {sum(bool(r.error) for r in results)} requests failed; the server's log ends:\n"
                 f"{server.log_tail()}")
-    run = FleetRun(results, ready_s, wall_s, cpu_cores)
+    run = FleetRun(results, ready_s, wall_s, cpu_cores, os.getloadavg()[0])
     if isinstance(poller, ModelsPoller):
         run.samples, run.decisions = poller.model_samples, poller.model_decisions
     return run
@@ -156,7 +158,7 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
         "mean_itl_p50_ms": percentile(itls, 50), "mean_itl_p95_ms": percentile(itls, 95),
         "ttft_p95_ms_by_window": _p95_by_window(trace, run.results, window_s),
         "send_lag_p99_real_ms": percentile(lags, 99), "server_cpu_cores": run.server_cpu_cores,
-        "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s,
+        "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s, "load_avg_1m_after": run.load_avg_1m_after,
     }
 
 
@@ -323,7 +325,8 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
         summaries[label] = summary
         log(f"{label}: attainment {summary['attainment']:.3f} (TTFT {summary['ttft_attainment']:.3f}, ITL "
             f"{summary['itl_attainment']:.3f}), {summary['worker_s']:.0f} worker-s, "
-            f"{summary['server_cpu_cores']:.2f} cores, send lag p99 {summary['send_lag_p99_real_ms'] or 0:.0f} ms")
+            f"{summary['server_cpu_cores']:.2f} cores, send lag p99 {summary['send_lag_p99_real_ms'] or 0:.0f} ms, "
+            f"load average {summary['load_avg_1m_after']:.1f}")
     result = _half_result(plan, trace, sizing, summaries)
     result["png_planner"] = None
     if png is not None and "static" in summaries and "planner" in summaries:
