@@ -148,7 +148,7 @@ def test_each_fleet_gets_its_models_and_the_planner_its_bounds_and_budget(tmp_pa
     assert value(planner, "--planner-max-decode-workers") == "2"
     assert value(planner, "--planner-min-prefill-workers") == value(planner, "--planner-min-decode-workers") == "1"
     assert value(planner, "--planner-max-total-workers") == "9"
-    assert (value(planner, "--planner-interval-s"), value(planner, "--planner-window-s")) == ("1", "2")
+    assert (value(planner, "--planner-interval-s"), value(planner, "--planner-window-s")) == ("1", "3")
 
 
 # ---- accounting --------------------------------------------------------------------------------------------
