@@ -50,7 +50,6 @@ from benchmarks.planner import (
 __all__ = ["FULL_TURNS", "QUICK_TURNS", "FleetRun", "ModelsPoller", "TurnsPlan", "fleet_flags", "make_workload",
            "plot", "run_fleet", "run_planner_half", "summarize_planner", "summarize_static"]
 
-WARM_UP_ISL = 2000
 LOAD_WINDOW_S = 5.0  # the offered load as the picture draws it
 
 
@@ -80,9 +79,9 @@ class ModelsPoller(PlannerPoller):
                         seen.append({**decision, "t_s": decision["now_s"] - self.start_s})
 
 
-def make_workload(trace: TurnsTrace, names: Sequence[str], seed: int) -> Workload:
-    """`benchmarks.planner.Workload` of `trace`: each request's body to its model, its prompt unique; one
-    warm-up request per model."""
+def make_workload(trace: TurnsTrace, shape: TurnsShape, names: Sequence[str], seed: int) -> Workload:
+    """`benchmarks.planner.Workload` of `trace` (generated from `shape`): each request's body to its model,
+    its prompt unique; one warm-up request per model, of the shape's median lengths."""
     import numpy as np
 
     from benchmarks.disagg import plain_word_ids
@@ -93,7 +92,10 @@ def make_workload(trace: TurnsTrace, names: Sequence[str], seed: int) -> Workloa
     rng = np.random.default_rng(seed)
     bodies = [completion_body(names[m], rng.choice(word_ids, r.input_length).tolist(), r.output_length)
               for r, m in zip(trace.requests, trace.model_indexes, strict=True)]
-    warm_up = [completion_body(name, rng.choice(word_ids, WARM_UP_ISL).tolist(), 8) for name in names]
+    # the warm-up's lengths are the trace's medians: a quiet model's planner predicts the ISL and OSL it last
+    # saw, and a warm-up of 2,000 + 8 tokens had the rising models' prefill need read a third low
+    isl, osl = round(shape.isl.median), round(shape.osl.median)
+    warm_up = [completion_body(name, rng.choice(word_ids, isl).tolist(), osl) for name in names]
     return Workload(list(trace.requests), bodies, warm_up, trace.duration_s)
 
 
@@ -201,7 +203,8 @@ def summarize_planner(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wi
     summary["num_samples"] = len(run.samples)
     summary["replicas"] = [[round(t_s, 2), targets, serving] for t_s, targets, serving in run.samples]
     summary["decisions"] = {
-        name: [{k: d.get(k) for k in ("t_s", "targets", "reasons", "needs", "corrections", "predicted_rate_per_s")}
+        name: [{k: d.get(k) for k in ("t_s", "targets", "reasons", "needs", "corrections", "predicted_rate_per_s",
+                                      "predicted_isl", "predicted_osl")}
                for d in decisions] for name, decisions in run.decisions.items()}
     return summary
 
@@ -314,7 +317,7 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
     log(f"planner half: {len(trace.requests)} requests for {len(names)} models in {trace.duration_s:g} s; "
         f"static fleet {sizing.static_fleet} a model ({sizing.static_workers} workers), planner budget "
         f"{sizing.budget}, the load's need {min(sizing.oracle_workers)}-{max(sizing.oracle_workers)}")
-    workload = make_workload(trace, names, seed)
+    workload = make_workload(trace, plan.shape, names, seed)
     flags = fleet_flags(plan, links, sizing)
     summaries: dict[str, dict[str, Any]] = {}
     for label in fleets:
