@@ -92,8 +92,8 @@ def make_workload(trace: TurnsTrace, shape: TurnsShape, names: Sequence[str], se
     rng = np.random.default_rng(seed)
     bodies = [completion_body(names[m], rng.choice(word_ids, r.input_length).tolist(), r.output_length)
               for r, m in zip(trace.requests, trace.model_indexes, strict=True)]
-    # the warm-up's lengths are the trace's medians: a quiet model's planner predicts the ISL and OSL it last
-    # saw, and a warm-up of 2,000 + 8 tokens had the rising models' prefill need read a third low
+    # the warm-up's lengths are the trace's medians: a quiet model's planner predicts from the few lengths it
+    # has seen, and the warm-up's are the first
     isl, osl = round(shape.isl.median), round(shape.osl.median)
     warm_up = [completion_body(name, rng.choice(word_ids, isl).tolist(), osl) for name in names]
     return Workload(list(trace.requests), bodies, warm_up, trace.duration_s)
