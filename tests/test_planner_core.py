@@ -242,3 +242,14 @@ def core_decision(core: PlannerCore, step: int, rate: float) -> Decision:
     targets = core.targets or {p: 1 for p in core.pools}
     pools = {p: PoolObservation(num_workers=targets[p], num_running=rate * 2) for p in core.pools}
     return core.decide(Observation(step * INTERVAL_S, pools, rate, ISL, OSL))
+
+
+def test_a_window_of_longer_prompts_than_predicted_is_sized_for_them() -> None:
+    core = PlannerCore(_config(predictor="ewma", max_step_up=10), ("prefill", "decode"), _profile())
+    _run(core, [20.0] * 4)  # ISL 1024 all along
+    pools = {p: PoolObservation(n, num_running=40.0) for p, n in (core.targets or {}).items()}
+    decision = core.decide(Observation(4 * INTERVAL_S, pools, 20.0, 2 * ISL, OSL))
+    # the smoothed prediction is still well below 2048; the need is that of the prompts the window held
+    assert decision.predicted_isl < 1.8 * ISL
+    assert decision.needs["prefill"] == pytest.approx(
+        20.0 * 2 * ISL / _profile().prefill_capacity_tokens_per_s(2 * ISL, 0.3), rel=1e-6)

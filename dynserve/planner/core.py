@@ -5,14 +5,13 @@ I/O and no clock of its own (the time is the observation's), so the same core ru
 Pools are named by their workers' role: `prefill` and `decode` when serving disaggregated, `both` when not.
 Two modes (`PlannerConfig.mode`):
 
-- **sla**: predict the next interval's request rate (never below the rate observed now), mean ISL and mean
-  OSL (`predictors.py`), turn them into replicas with the capacity profile (`profile.py`: the prompt tokens/s
-  a prefill worker sustains at the TTFT target, by ISL; the tokens/s a decode worker sustains at the ITL
-  target, by context length), and correct
-  each pool's need by how its observed TTFT (prefill) or ITL (decode) compares with what the profile expects
-  at the load it carries now (an EWMA of observed / expected, bounded): a fleet slower than its profile
-  gets more workers (one faster keeps the profile's count: `correction_bounds`). A `both` pool needs the
-  sum of the two (its workers do both).
+- **sla**: predict the next interval's request rate, mean ISL and mean OSL (`predictors.py`; each never
+  below what the last window observed), turn them into replicas with the capacity profile (`profile.py`:
+  the prompt tokens/s a prefill worker sustains at the TTFT target, by ISL; the tokens/s a decode worker
+  sustains at the ITL target, by context length), and correct each pool's need by how its observed TTFT
+  (prefill) or ITL (decode) compares with what the profile expects at the load it carries now (an EWMA of
+  observed / expected, bounded): a fleet slower than its profile gets more workers (one faster keeps the
+  profile's count: `correction_bounds`). A `both` pool needs the sum of the two (its workers do both).
 - **load**: no profile; a pool grows when its observed TTFT (prefill, both) or ITL (decode, both) is over its
   target or its queue is over `load_queue_per_worker` a worker, and shrinks when every signal is comfortably
   under (below `load_headroom` x target, nothing queued).
@@ -183,6 +182,7 @@ class PlannerCore:
         self._yielding = False  # another model is squeezed by the shared budget: shrink what is spare at once
         self._rate, self._isl, self._osl = (make_predictor(config.predictor) for _ in range(3))
         self._observed_rate = 0.0
+        self._observed_isl = self._observed_osl = NAN  # this window's means (NaN: no requests finished in it)
         self._last_full_s: float | None = None
         self.corrections = dict.fromkeys(self.pools, 1.0)
         self.targets: dict[str, int] | None = None  # the last decision's, once there is one
@@ -227,6 +227,7 @@ class PlannerCore:
             rate = observation.request_rate_per_s
             self._observed_rate = rate if math.isfinite(rate) else 0.0  # no requests in the window: a rate of 0
             self._rate.observe(self._observed_rate)
+            self._observed_isl, self._observed_osl = observation.mean_isl, observation.mean_osl
             self._isl.observe(observation.mean_isl)
             self._osl.observe(observation.mean_osl)
             if config.mode == "sla":
@@ -275,7 +276,11 @@ class PlannerCore:
         # the predictor may see a rise coming, but never hides one already here (a smoothed prediction lags a
         # step up by intervals; scaling down is slow anyway, behind the down delay)
         rate = max(self._rate.predict() or 0.0, self._observed_rate)
-        isl, osl = self._isl.predict(), self._osl.predict()
+        # the same for the lengths: a window of longer prompts than predicted is sized for what it holds (a
+        # model's few requests a window make its mean ISL noisy, and a low prediction under-sized the prefill
+        # pool of a model whose load rose: benchmarks.multimodel)
+        isl, osl = _at_least(self._isl.predict(), self._observed_isl), _at_least(self._osl.predict(),
+                                                                                 self._observed_osl)
         needs: dict[str, float] = {}
         for pool in self.pools:
             if rate <= 0 or isl is None or osl is None:
@@ -407,6 +412,13 @@ class PlannerCore:
                        if math.isfinite(needs.get(p, NAN)) else targets[p])
             targets[pool] -= 1
             reasons[pool] = "budget"
+
+
+def _at_least(predicted: float | None, observed: float) -> float | None:
+    """The larger of a prediction and an observation; either may be missing (None, NaN)."""
+    if not math.isfinite(observed):
+        return predicted
+    return observed if predicted is None else max(predicted, observed)
 
 
 def _or_nan(value: float | None) -> float:
