@@ -327,13 +327,19 @@ def planner_half(turns: TurnsPlan, seed: int, temp: Path, log_dir: Path, fleets:
     return {**fields, "planner_half": half}
 
 
+def turns_plan(args: argparse.Namespace) -> TurnsPlan:
+    """The planner half's plan: the quick or full one, with what the flags change."""
+    turns = QUICK_TURNS if args.quick else FULL_TURNS
+    shape = replace(turns.shape, num_models=args.turn_models or turns.shape.num_models,
+                    phase_s=args.phase_s or turns.shape.phase_s)
+    return replace(turns, shape=shape, window_s=args.planner_window_s or turns.window_s,
+                   interval_s=args.planner_interval_s or turns.interval_s)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     plan = QUICK if args.quick else FULL
-    turns = QUICK_TURNS if args.quick else FULL_TURNS
-    turns = replace(turns, shape=replace(turns.shape, num_models=args.turn_models or turns.shape.num_models,
-                                         phase_s=args.phase_s or turns.shape.phase_s),
-                    window_s=args.planner_window_s or turns.window_s, interval_s=args.planner_interval_s or turns.interval_s)
+    turns = turns_plan(args)
     output = args.output or RESULTS_DIR / f"multimodel-{time.strftime('%Y%m%d-%H%M%S')}.json"
     start_s = time.monotonic()
     load_avg_before = os.getloadavg()[0]

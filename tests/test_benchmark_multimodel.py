@@ -245,3 +245,14 @@ def test_the_poller_reads_every_models_pools(planner_standin: tuple[int, list[di
     assert serving["model-00"] == {"prefill": 1, "decode": 1}
     assert [d["now_s"] for d in poller.model_decisions["model-00"]] == [100.0]  # read twice, kept once
     assert "model-01" not in poller.model_decisions or not poller.model_decisions["model-01"]
+
+
+def test_the_quick_plan_is_short_and_the_flags_change_the_planner_half() -> None:
+    from benchmarks.multimodel import parse_args, turns_plan
+
+    quick, full = turns_plan(parse_args(["--quick"])), turns_plan(parse_args([]))
+    assert quick.shape.duration_s <= 90 and quick.shape.num_models >= 3
+    assert full.shape.num_models == 10 and full.shape.phase_s > quick.shape.phase_s
+    changed = turns_plan(parse_args(["--turn-models", "6", "--phase-s", "25", "--planner-window-s", "4"]))
+    assert (changed.shape.num_models, changed.shape.phase_s, changed.window_s) == (6, 25.0, 4.0)
+    assert changed.interval_s == full.interval_s and changed.shape.peak_rate_per_s == full.shape.peak_rate_per_s
