@@ -73,8 +73,7 @@ class ModelRunner:
             (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim), model.dtype, device,
         ).zero_()
         self.graphs: DecodeGraphs | None = None
-        self.grammar_masks = MaskFiller(overlap=masks_overlap_forward(device),
-                                        inline_threads=max(1, torch.get_num_threads()))
+        self.grammar_masks = MaskFiller(overlap=masks_overlap_forward(device))
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             num_blocks, block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20,
