@@ -33,7 +33,7 @@ from typing import Any
 from benchmarks._common import log, percentile
 from benchmarks._dynctl import dynctl_serve
 from benchmarks._multimodel_trace import Sizing, TurnsShape, TurnsTrace, generate, rates_by_model, size_fleets
-from benchmarks._streaming import StreamedCompletion, completion_body, stream_completion
+from benchmarks._streaming import StreamedCompletion, completion_body
 from benchmarks.planner import (
     POLL_PERIOD_S,
     POOLS,
@@ -44,6 +44,7 @@ from benchmarks.planner import (
     attainment_by_window,
     replay,
     scale_events,
+    warm_up,
     worker_seconds,
 )
 
@@ -117,7 +118,7 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
     with dynctl_serve(f"multimodel-{label}", flags, log_dir=log_dir) as server:
         ready_s = time.monotonic() - started_s
         log(f"{label}: serving on port {server.port} after {ready_s:.0f} s; warming up every model")
-        asyncio.run(_warm_up(server.port, workload.warm_up_bodies))
+        asyncio.run(warm_up(server.port, workload.warm_up_bodies))
         cpu_before_s, start_s = server.cpu_s(), time.monotonic()
         poller = ModelsPoller(server.port, start_s) if poll else contextlib.nullcontext()
         with poller:
@@ -131,13 +132,6 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
     if isinstance(poller, ModelsPoller):
         run.samples, run.decisions = poller.model_samples, poller.model_decisions
     return run
-
-
-async def _warm_up(port: int, bodies: Sequence[bytes]) -> None:
-    results = await asyncio.gather(*(stream_completion(port, b) for b in bodies))
-    failed = [r.error for r in results if r.error is not None]
-    if failed:
-        raise RuntimeError(f"warm-up request(s) failed: {failed}")
 
 
 def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], window_s: float) -> dict[str, Any]:

@@ -270,7 +270,7 @@ def serve_and_replay(mode: str, flags: list[str], workload: Workload, *, speedup
     with dynctl_serve(f"planner-bench-{mode}", flags, log_dir=log_dir) as server:
         ready_s = time.monotonic() - started_s
         log(f"{mode}: serving on port {server.port} after {ready_s:.1f} s; warming up")
-        asyncio.run(_warm_up(server.port, workload.warm_up_bodies))
+        asyncio.run(warm_up(server.port, workload.warm_up_bodies))
         timeout_s = max(60.0, workload.duration_s / speedup / 2)
         cpu_before_s, start_s = server.cpu_s(), time.monotonic()
         poller = PlannerPoller(server.port, start_s) if poll else contextlib.nullcontext()
@@ -287,7 +287,7 @@ def serve_and_replay(mode: str, flags: list[str], workload: Workload, *, speedup
     return run
 
 
-async def _warm_up(port: int, bodies: Sequence[bytes]) -> None:
+async def warm_up(port: int, bodies: Sequence[bytes]) -> None:
     """A few short requests, side by side, so first-use costs stay out of the replay."""
     results = await asyncio.gather(*(stream_completion(port, b) for b in bodies))
     failed = [r.error for r in results if r.error is not None]
