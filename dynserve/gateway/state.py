@@ -51,7 +51,6 @@ class GatewayState:
     # called with the model's id when a request starts waiting for a worker of it (`Settings.worker_wait_s`):
     # a planner's wake-up
     on_waiting_for_worker: Callable[[str], None] | None = None
-    num_waiting_for_worker: int = 0
     waiting_for_worker_by_model: dict[str, int] = field(default_factory=dict)
     admission: Admission | None = None  # with Settings.admission_ttft_ms: the TTFT-keeping admission limit
     models: dict[str, ServedModel] = field(init=False)  # by id, the default first
@@ -136,7 +135,6 @@ class GatewayState:
         model_id = backend.model_id
         gauge = self.metrics.waiting_for_worker
         gauge.inc()
-        self.num_waiting_for_worker += 1
         self.waiting_for_worker_by_model[model_id] = self.waiting_for_worker_by_model.get(model_id, 0) + 1
         try:
             if self.on_waiting_for_worker is not None:
@@ -146,7 +144,6 @@ class GatewayState:
                 await asyncio.sleep(0.05)
         finally:
             gauge.dec()
-            self.num_waiting_for_worker -= 1
             self.waiting_for_worker_by_model[model_id] -= 1
 
     def admit(self, served: ServedModel | None = None) -> None:
