@@ -97,6 +97,19 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(1024, ge=16, description="tokens computed per step at most")
     max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    kv_host_bytes: int = Field(0, ge=0, description="host KV tier: cached blocks evicted from the KV cache are "
+                               "kept in a host memory pool of this size (pinned on a GPU) and copied back on a "
+                               "prefix hit instead of prefilled (0: off; on a CPU the KV cache is host memory "
+                               "already, so give the memory to kv_cache_gib instead)")
+    kv_disk_bytes: int = Field(0, ge=0, description="disk KV tier: blocks leaving the host tier (or the KV cache, "
+                               "without one) are written to files under kv_disk_dir up to this total, least "
+                               "recently used dropped first (0: off)")
+    kv_disk_dir: str | None = Field(None, description="where the disk KV tier writes: each engine makes a "
+                                    "directory of its own inside it and removes it on close; a restarted "
+                                    "worker starts with an empty disk tier (default: the system temp dir)")
+    kv_disk_write: Literal["background", "sync"] = Field(
+        "background", description="disk KV tier writes: 'background' (a writer thread; the engine never waits "
+        "for the disk, a block is read from memory until written) or 'sync' (written before the step goes on)")
     attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="'auto': triton on GPU")
     cuda_graphs: bool = Field(True, description="on a GPU with the triton backend: replay decode steps from CUDA "
                                                 "graphs captured at start (per batch-size bucket)")
@@ -342,8 +355,14 @@ class Settings(BaseSettings):
                                          "without a request (the next request waits for a worker); default: "
                                          "never", json_schema_extra=_PLANNER)
     planner_predictor: Literal["constant", "ewma", "holt"] = Field(
-        "holt", description="how the sla mode predicts the next interval's rate, ISL and OSL",
-        json_schema_extra=_PLANNER)
+        "holt", description="how the sla mode predicts the rate, ISL and OSL at its horizon (when a worker "
+        "decided now would serve)", json_schema_extra=_PLANNER)
+    planner_start_s: float | None = Field(None, ge=0, description="a new worker's time from decision to serving, "
+                                          "which the sla mode sizes ahead by; default: measured from its own "
+                                          "scale-ups", json_schema_extra=_PLANNER)
+    planner_down_delay_s: float | None = Field(None, ge=0, description="how long a lower need must hold before a "
+                                               "pool shrinks; default: three intervals",
+                                               json_schema_extra=_PLANNER)
     planner_kubernetes: str | None = Field(
         None, description="NAMESPACE/NAME of the DynServeDeployment this fleet is (the operator sets it): the "
         "planner scales its DynServePools through their scale subresource instead of the Ray pools, and takes "

@@ -15,7 +15,15 @@ A full, computed block is registered under its chained hash; a later sequence wh
 reuses it after its token ids are confirmed equal, so a hash collision never serves the wrong block.
 Allocation takes free blocks first, then evicts the least recently freed cached block. Every change to the
 set of cached hashes is recorded as a numbered KV event in an outbox that the worker publishes.
-`check_integrity()` proves these invariants.
+
+With KV tiers (`kv_tiers.KVTiers`), an evicted cached block is kept in the host or disk tier instead of lost
+(`BlockRemoved(device)` then `BlockStored(host)`, and so on down), and a prefix match continues past the
+device pool into the tiers: each such block is taken out of its tier (`BlockRemoved(host|disk)`) and copied
+into a freshly taken device block that is cached at once (`BlockStored(device)`), so it counts as computed.
+Its tier copy is claimed before any device block is taken, so the evictions that taking blocks causes can
+never push out a block the same sequence just matched; a device hit is referenced first for the same reason.
+A hash is cached in at most one of device, host and disk; without tiers the events are those of a
+device-only pool, unchanged. `check_integrity()` proves these invariants, the tiers' included.
 """
 
 from __future__ import annotations
@@ -23,10 +31,14 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dynserve.engine.sequence import Sequence
 from dynserve.hashing import BlockHash
 from dynserve.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+if TYPE_CHECKING:  # the tiers hold tensors; the block manager itself imports no torch
+    from dynserve.engine.kv_tiers import Claim, KVTiers, TierChange
 
 __all__ = ["Block", "BlockManager", "NO_BLOCK"]
 
@@ -39,12 +51,15 @@ class Block:
     ref_count: int = 0
     block_hash: BlockHash | None = None
     token_ids: tuple[int, ...] | None = None  # the tokens a cached block holds, to confirm hits
+    parent_hash: BlockHash | None = None  # a cached block's parent in its chain (None: the first block)
 
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, hash_salt: int = 0, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, hash_salt: int = 0, enable_prefix_caching: bool = True,
+        tiers: KVTiers | None = None,
     ) -> None:
+        """`tiers`: where evicted cached blocks are kept and hits are onboarded from (None: device only)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -58,6 +73,7 @@ class BlockManager:
         self._events: list[KVEvent] = []
         self._next_event_id = 0
         self.num_evictions = 0  # cached blocks taken back for new content (LRU)
+        self.tiers = tiers if enable_prefix_caching else None
 
     # ---- capacity -------------------------------------------------------------------------------------
 
@@ -88,15 +104,20 @@ class BlockManager:
         """
         assert not seq.block_table, "sequence already holds blocks"
         hit_ids = self._match_prefix(seq)
+        lower_hashes = self._match_lower(seq, len(hit_ids)) if self.tiers is not None else []
         num_needed = self.blocks_needed(seq.num_tokens) - len(hit_ids)
         num_taken_from_cache = sum(1 for b in hit_ids if self.blocks[b].ref_count == 0)
         if num_needed + num_taken_from_cache + num_reserved_blocks > self.num_free_blocks:
             return False
         for block_id in hit_ids:
             self._ref(block_id)
+        claims = self._claim(lower_hashes) if lower_hashes else []
         seq.block_table = hit_ids + [self._take_block() for _ in range(num_needed)]
-        seq.num_computed_tokens = len(hit_ids) * self.block_size
-        seq.num_registered_blocks = len(hit_ids)
+        if claims:
+            self._onboard(seq, len(hit_ids), claims)
+        num_reused = len(hit_ids) + len(claims)
+        seq.num_computed_tokens = num_reused * self.block_size
+        seq.num_registered_blocks = num_reused
         return True
 
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
@@ -162,6 +183,50 @@ class BlockManager:
             hit_ids.pop()  # the last token must be computed to produce logits
         return hit_ids
 
+    def _match_lower(self, seq: Sequence, start: int) -> list[BlockHash]:
+        """Hashes of the blocks after `seq`'s first `start` (its device hits) that the tiers hold, in chain
+        order, confirmed token by token, leaving at least the last token to compute."""
+        assert self.tiers is not None
+        if not self.enable_prefix_caching:
+            return []
+        hashes: list[BlockHash] = []
+        for i in range(start, len(seq.block_hashes)):
+            first = i * self.block_size
+            if self.tiers.find(seq.block_hashes[i], tuple(seq.token_ids[first : first + self.block_size])) is None:
+                break
+            hashes.append(seq.block_hashes[i])
+        if hashes and (start + len(hashes)) * self.block_size >= seq.num_tokens:
+            hashes.pop()
+        return hashes
+
+    def _claim(self, hashes: list[BlockHash]) -> list[Claim]:
+        """Take the tiers' copies of `hashes` out of their tiers, up to the first that fails (a corrupt file:
+        that block and the rest are computed)."""
+        assert self.tiers is not None
+        claims: list[Claim] = []
+        for block_hash in hashes:
+            claim, changes = self.tiers.claim(block_hash)
+            self._record(changes)
+            if claim is None:
+                break
+            claims.append(claim)
+        return claims
+
+    def _onboard(self, seq: Sequence, first: int, claims: list[Claim]) -> None:
+        """Copy each claim into `seq`'s fresh blocks from index `first` on and cache them (one Stored event)."""
+        assert self.tiers is not None
+        for k, claim in enumerate(claims):
+            i = first + k
+            block = self.blocks[seq.block_table[i]]
+            self.tiers.land(claim, block.block_id)
+            start = i * self.block_size
+            block.block_hash = claim.block_hash
+            block.token_ids = tuple(seq.token_ids[start : start + self.block_size])
+            block.parent_hash = seq.block_hashes[i - 1] if i > 0 else None
+            self._hash_to_block[claim.block_hash] = block.block_id
+        parent = seq.block_hashes[first - 1] if first > 0 else None
+        self._emit_stored(parent, [c.block_hash for c in claims])
+
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Offer `seq`'s full, computed blocks to the prefix cache (call after each step)."""
         if seq.num_computed_tokens // self.block_size <= seq.num_registered_blocks:
@@ -181,7 +246,10 @@ class BlockManager:
                 start = i * self.block_size
                 block.block_hash = block_hash
                 block.token_ids = tuple(seq.token_ids[start : start + self.block_size])
+                block.parent_hash = seq.block_hashes[i - 1] if i > 0 else None
                 self._hash_to_block[block_hash] = block.block_id
+                if self.tiers is not None and self.tiers.holds(block_hash):
+                    self._record(self.tiers.discard(block_hash))  # computed again: keep tiers exclusive
                 if not run:
                     run_parent = seq.block_hashes[i - 1] if i > 0 else None
                 run.append(block_hash)
@@ -207,6 +275,9 @@ class BlockManager:
             if block.block_hash is not None:
                 block.block_hash = None
                 block.token_ids = None
+                block.parent_hash = None
+        if self.tiers is not None:
+            self.tiers.clear()
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._hash_to_block.clear()
@@ -218,8 +289,16 @@ class BlockManager:
         return self._next_event_id - 1 if self._next_event_id else None
 
     def cached_block_hashes(self) -> list[int]:
-        """Snapshot of every cached hash (for a router resyncing after a gap)."""
+        """Snapshot of every hash cached on the device (for a router resyncing after a gap)."""
         return list(self._hash_to_block)
+
+    def cached_block_hashes_by_medium(self) -> dict[str, list[int]]:
+        """Snapshot of every cached hash per tier ("device", and "host" and "disk" with tiers)."""
+        snapshot = {"device": list(self._hash_to_block)}
+        if self.tiers is not None:
+            snapshot["host"] = self.tiers.hashes("host")
+            snapshot["disk"] = self.tiers.hashes("disk")
+        return snapshot
 
     def drain_events(self) -> list[KVEvent]:
         events, self._events = self._events, []
@@ -232,7 +311,14 @@ class BlockManager:
             block_id = self._free.popleft()
         else:
             block_id, _ = self._evictable.popitem(last=False)
-            self._uncache(self.blocks[block_id])
+            block = self.blocks[block_id]
+            if self.tiers is None:
+                self._uncache(block)
+            else:  # keep its pages in the tiers before the block's new content overwrites them
+                block_hash, parent_hash, token_ids = block.block_hash, block.parent_hash, block.token_ids
+                assert block_hash is not None and token_ids is not None
+                self._uncache(block)
+                self._record(self.tiers.offload(block_hash, parent_hash, token_ids, block_id))
             self.num_evictions += 1
         self.blocks[block_id].ref_count = 1
         return block_id
@@ -249,6 +335,16 @@ class BlockManager:
         self._events.append(BlockRemoved(self._take_event_id(), [block.block_hash]))
         block.block_hash = None
         block.token_ids = None
+        block.parent_hash = None
+
+    def _record(self, changes: list[TierChange]) -> None:
+        """Number the tiers' changes as KV events on their medium."""
+        for change in changes:
+            if change.stored:
+                self._events.append(BlockStored(self._take_event_id(), change.parent_hash, [change.block_hash],
+                                                medium=change.medium))
+            else:
+                self._events.append(BlockRemoved(self._take_event_id(), [change.block_hash], medium=change.medium))
 
     def _emit_stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
         self._events.append(BlockStored(self._take_event_id(), parent, list(hashes)))
@@ -272,6 +368,9 @@ class BlockManager:
         hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
         assert hashed == set(self._hash_to_block.values()), "hashed block missing from the map"
         assert evictable <= hashed and not (free & hashed), "uncached block evictable or cached block free"
+        if self.tiers is not None:
+            self.tiers.check_integrity()
+            assert not any(self.tiers.holds(h) for h in self._hash_to_block), "a hash on device and in a tier"
         if seqs is not None:
             counts = [0] * self.num_blocks
             for seq in seqs:

@@ -39,6 +39,7 @@ import logging
 import time
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -52,6 +53,9 @@ from dynserve.errors import InvalidRequestError
 from dynserve.hashing import model_salt
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
+
+if TYPE_CHECKING:
+    from dynserve.engine.kv_tiers import KVTiers
 
 __all__ = ["LEASE_MARGIN_S", "EngineCore", "EngineStats", "GenerationResult", "ReceivePlan", "StepSamples"]
 
@@ -127,14 +131,16 @@ class EngineCore(abc.ABC):
     `block_manager`, loads through `scheduler`. Single-threaded. Subclasses implement `_execute`."""
 
     def __init__(self, settings: Settings, tokenizer: Tokenizer, *, model_id: str, vocab_size: int,
-                 eos_token_id: int | None, max_model_len: int, num_blocks: int) -> None:
+                 eos_token_id: int | None, max_model_len: int, num_blocks: int,
+                 kv_tiers: KVTiers | None = None) -> None:
+        """`kv_tiers`: the host and disk tiers below the KV cache (None: device only); `close` closes them."""
         self.settings = settings
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.block_manager = BlockManager(
-            num_blocks, settings.block_size, model_salt(model_id), settings.enable_prefix_caching
+            num_blocks, settings.block_size, model_salt(model_id), settings.enable_prefix_caching, kv_tiers
         )
         self.scheduler = Scheduler(
             self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens, max_model_len
@@ -336,6 +342,11 @@ class EngineCore(abc.ABC):
 
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV tiers' writer thread and disk directory. Idempotent."""
+        if self.block_manager.tiers is not None:
+            self.block_manager.tiers.close()
 
     # ---- stepping -------------------------------------------------------------------------------------
 

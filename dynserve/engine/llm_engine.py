@@ -18,6 +18,7 @@ import torch
 
 from dynserve.config import DType, Settings
 from dynserve.engine.core import EngineCore, EngineStats, GenerationResult, StepSamples
+from dynserve.engine.kv_tiers import KVTiers, PageLayout, TierPolicy
 from dynserve.engine.loader import ModelConfig, load_model_weights
 from dynserve.engine.model_runner import ModelRunner, kv_block_size_bytes
 from dynserve.engine.models.decoder import CausalLM
@@ -25,6 +26,7 @@ from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 from dynserve.engine.structured import MaskTimings
 from dynserve.errors import CacheCapacityError
+from dynserve.hashing import model_salt
 from dynserve.model.resolve import resolve_model_path
 from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams
@@ -114,12 +116,13 @@ class LLMEngine(EngineCore):
         num_blocks = settings.kv_blocks or max(
             1, int(settings.kv_cache_gib * 2**30) // kv_block_size_bytes(config, settings.block_size, self.dtype)
         )
-        super().__init__(settings, loaded.tokenizer, model_id=config.model_id, vocab_size=config.vocab_size,
-                         eos_token_id=config.eos_token_id, max_model_len=max_model_len, num_blocks=num_blocks)
-        if config.all_layers_windowed:  # Mistral-style: blocks that slid out of the window are given back
-            self.scheduler.use_sliding_window(min(config.layer_windows))
         self.runner = ModelRunner(self.model, num_blocks, settings.block_size, self.device,
                                   settings.attention_backend)
+        super().__init__(settings, loaded.tokenizer, model_id=config.model_id, vocab_size=config.vocab_size,
+                         eos_token_id=config.eos_token_id, max_model_len=max_model_len, num_blocks=num_blocks,
+                         kv_tiers=_build_tiers(settings, config.model_id, self.runner.kv_cache))
+        if config.all_layers_windowed:  # Mistral-style: blocks that slid out of the window are given back
+            self.scheduler.use_sliding_window(min(config.layer_windows))
         if settings.cuda_graphs and self.device.type == "cuda" and self.runner.backend_name == "triton":
             say(f"capturing CUDA graphs of decode batches up to {settings.max_num_seqs}")
             self.runner.capture_graphs(max_model_len, settings.max_num_seqs)
@@ -157,6 +160,19 @@ class LLMEngine(EngineCore):
             for seq in seqs:
                 if seq.block_table:
                     self.block_manager.free(seq)
+
+
+def _build_tiers(settings: Settings, model_id: str, kv_cache: torch.Tensor) -> KVTiers | None:
+    """The host and disk tiers the settings ask for below `kv_cache` (None when both sizes are 0 or prefix
+    caching is off)."""
+    policy = TierPolicy(settings.kv_host_bytes, settings.kv_disk_bytes, settings.kv_disk_dir, settings.kv_disk_write)
+    if not policy.enabled or not settings.enable_prefix_caching:
+        return None
+    layout = PageLayout(kv_cache.dtype, tuple(kv_cache.shape[1:]), settings.block_size, model_salt(model_id))
+    tiers = KVTiers(policy, layout, kv_cache)
+    logger.info("KV tiers: %d host blocks, %d disk blocks in %s", tiers.num_host_slots, tiers.num_disk_blocks_max,
+                tiers.disk_dir)
+    return tiers
 
 
 def _resolve_device(name: str) -> torch.device:
