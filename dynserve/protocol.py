@@ -42,6 +42,7 @@ __all__ = [
     "RequestError",
     "RequestTiming",
     "MAX_TOP_LOGPROBS",
+    "MEDIA",
     "SamplingParams",
     "TokenDelta",
     "TokenLogprob",
@@ -281,17 +282,23 @@ class RequestTiming(msgspec.Struct, kw_only=True, frozen=True):
 # ---- KV events -------------------------------------------------------------------------------------------
 
 
-class BlockStored(msgspec.Struct, tag="stored", array_like=True):
-    """Blocks newly cached, in chain order; `parent_hash` is the hash before the first (None at the root)."""
+MEDIA = ("device", "host", "disk")  # the tiers a cached block lives in, fastest first
+
+
+class BlockStored(msgspec.Struct, tag="stored", array_like=True, omit_defaults=True):
+    """Blocks newly cached, in chain order, on `medium` (one of `MEDIA`); `parent_hash` is the hash before the
+    first (None at the root). A block moving between tiers is removed from one medium and stored on another."""
 
     event_id: int
     parent_hash: int | None
     block_hashes: list[int]
+    medium: str = "device"  # omitted on the wire when "device": a device-only worker's events are unchanged
 
 
-class BlockRemoved(msgspec.Struct, tag="removed", array_like=True):
+class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, omit_defaults=True):
     event_id: int
     block_hashes: list[int]
+    medium: str = "device"
 
 
 class AllBlocksCleared(msgspec.Struct, tag="cleared", array_like=True):
