@@ -110,7 +110,7 @@ def test_noisy_flat_load_changes_the_fleet_at_most_twice_in_30_intervals() -> No
 
 
 def test_load_mode_grows_an_overloaded_pool_and_shrinks_a_comfortable_one_after_a_delay() -> None:
-    config = _config(mode="load", down_delay_intervals=3)
+    config = _config(mode="load", down_delay_s=3 * INTERVAL_S)
     core = PlannerCore(config, ("prefill", "decode"))
 
     def decide(step: int, ttft_s: float, itl_s: float, waiting: float = 0.0) -> dict[str, int]:
@@ -181,7 +181,7 @@ def test_the_budget_never_takes_the_last_worker_of_a_serving_pool() -> None:
 
 
 def test_a_busy_serving_pool_keeps_a_worker_even_with_a_min_of_zero() -> None:
-    config = _config(mode="load", min_workers={"prefill": 0, "decode": 0}, down_delay_intervals=1)
+    config = _config(mode="load", min_workers={"prefill": 0, "decode": 0}, down_delay_s=INTERVAL_S)
     core = PlannerCore(config, ("prefill", "decode"))
     for step in range(6):  # steady, comfortable traffic: shrink, but never the decode pool to zero
         targets = core.targets or {"prefill": 1, "decode": 1}
@@ -193,7 +193,7 @@ def test_a_busy_serving_pool_keeps_a_worker_even_with_a_min_of_zero() -> None:
 
 
 def test_wake_ups_between_intervals_do_not_count_toward_a_shrink() -> None:
-    core = PlannerCore(_config(down_delay_intervals=3), ("prefill", "decode"), _profile())
+    core = PlannerCore(_config(down_delay_s=3 * INTERVAL_S), ("prefill", "decode"), _profile())
     _run(core, [20.0] * 3)
     high = dict(core.targets or {})
     for i in range(6):  # six quick decisions (requests waking the planner) within one interval of low load
@@ -253,3 +253,63 @@ def test_a_window_of_longer_prompts_than_predicted_is_sized_for_them() -> None:
     assert decision.predicted_isl < 1.8 * ISL
     assert decision.needs["prefill"] == pytest.approx(
         20.0 * 2 * ISL / _profile().prefill_capacity_tokens_per_s(2 * ISL, 0.3), rel=1e-6)
+
+
+def test_the_core_measures_how_long_its_scale_ups_take_to_serve() -> None:
+    core = PlannerCore(_config(predictor="constant", read_window_s=4.0, interval_s=1.0), ("prefill", "decode"),
+                       _profile())
+    assert core.start_s == 1.0 and core.horizon_s == 3.0  # nothing measured: one interval, plus half the window
+
+    def decide(now_s: float, serving: int) -> dict[str, int]:
+        pools = {"prefill": PoolObservation(serving), "decode": PoolObservation(1, num_running=4)}
+        return core.decide(Observation(now_s, pools, 20.0, ISL, OSL)).targets
+
+    grown = decide(0.0, 1)["prefill"]
+    assert grown > 1
+    for now_s in (1.0, 2.0, 3.0):  # the new workers are still starting
+        decide(now_s, 1)
+    assert core.measured_start_s is None
+    decide(4.0, grown)  # all serve four seconds after the decision
+    assert core.measured_start_s == pytest.approx(4.0)
+    assert core.horizon_s == pytest.approx(4.0 + 2.0)
+    assert core.decide(Observation(5.0, {"prefill": PoolObservation(grown), "decode": PoolObservation(1)}, 20.0,
+                                   ISL, OSL)).horizon_s == pytest.approx(6.0)
+
+
+def test_a_slow_start_sizes_a_rise_sooner() -> None:
+    """On a linear rise, a core whose workers take 6 s to serve decides its second prefill worker at a lower
+    observed rate than one whose workers serve within the interval: it sizes for the rate when they serve."""
+    ramp = [0.5 + 0.5 * step for step in range(40)]  # req/s, one a second
+
+    def first_growth(start_s: float) -> float:
+        core = PlannerCore(_config(predictor="holt", interval_s=1.0, start_s=start_s, read_window_s=2.0),
+                           ("prefill", "decode"), _profile())
+        for step, rate in enumerate(ramp):
+            targets = core.targets or {"prefill": 1, "decode": 1}
+            pools = {p: PoolObservation(targets[p], num_running=rate) for p in core.pools}
+            if core.decide(Observation(float(step), pools, rate, ISL, OSL)).targets["prefill"] > 1:
+                return rate
+        raise AssertionError("never grew")
+
+    prompt_tokens_per_worker = _profile().prefill_capacity_tokens_per_s(ISL, 0.3)
+    one_worker_rate = prompt_tokens_per_worker / ISL
+    assert first_growth(0.0) > one_worker_rate - 0.5  # sized for now: grows once one worker is full
+    assert first_growth(6.0) <= first_growth(0.0) - 2.0  # six seconds of the rise (0.5 req/s a second) ahead
+
+
+def test_the_down_delay_is_time_whatever_the_interval() -> None:
+    for interval_s in (1.0, 2.0):
+        core = PlannerCore(_config(predictor="constant", interval_s=interval_s, down_delay_s=6.0),
+                           ("prefill", "decode"), _profile())
+        _observe_at = [(k * interval_s, 30.0) for k in range(3)] + [(3 * interval_s + k * interval_s, 1.0)
+                                                                      for k in range(10)]
+        shrunk_at = None
+        for now_s, rate in _observe_at:
+            targets = core.targets or {"prefill": 1, "decode": 1}
+            before = targets["prefill"]
+            pools = {p: PoolObservation(targets[p], num_running=rate) for p in core.pools}
+            after = core.decide(Observation(now_s, pools, rate, ISL, OSL)).targets["prefill"]
+            if rate == 1.0 and after < before and shrunk_at is None:
+                shrunk_at = now_s - 3 * interval_s
+        # the first low decision counts its interval: the shrink comes 6 s of low load after it began
+        assert shrunk_at == pytest.approx(6.0 - interval_s), interval_s

@@ -26,7 +26,7 @@ from dynserve.model.resolve import default_model_path
 from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
 from dynserve.planner.core import PlannerConfig, PlannerCore
-from dynserve.planner.live import FleetPlannerMetrics, PlannerMetrics, PrometheusReader
+from dynserve.planner.live import FleetPlannerMetrics, PlannerMetrics, PoolActuator, PrometheusReader
 
 DYNCTL = str(Path(sys.executable).with_name("dynctl"))
 MODEL = "SmolLM2-135M-Instruct"
@@ -106,6 +106,41 @@ def test_every_models_planner_series_carry_its_model_in_one_collector() -> None:
     assert 'dynserve_planner_workers_serving{model="coder",pool="both"} 0.0' in text
     assert text.count("# TYPE dynserve_planner_workers_serving gauge") == 1
     assert 'dynserve_planner_target_latency_seconds{kind="itl",model="coder"}' in text
+
+
+class _StartingPool:
+    """A fake of our own `WorkerPool` interface as the actuator uses it: a policy's target, and workers that
+    start only when the test lets them."""
+
+    class _Policy:
+        target = 1
+
+    def __init__(self) -> None:
+        self.policy = self._Policy()
+        self.started = asyncio.Event()
+
+    async def add(self) -> None:
+        self.policy.target += 1
+        await self.started.wait()
+
+    async def remove(self) -> None:
+        self.policy.target -= 1
+
+
+def test_a_scale_up_decided_while_workers_start_is_applied_at_once() -> None:
+    async def scenario() -> None:
+        pool = _StartingPool()
+        actuator = PoolActuator({"prefill": pool})
+        await asyncio.wait_for(actuator.scale("prefill", 3), 1.0)  # returns with two workers still starting
+        assert actuator.current() == {"prefill": 3}
+        await asyncio.wait_for(actuator.scale("prefill", 5), 1.0)  # not held behind the first two
+        assert actuator.current() == {"prefill": 5}
+        await asyncio.wait_for(actuator.scale("prefill", 4), 1.0)
+        assert actuator.current() == {"prefill": 4}
+        pool.started.set()
+        await asyncio.wait_for(actuator.wait(), 1.0)
+
+    asyncio.run(scenario())
 
 
 @pytest.fixture(scope="module")

@@ -58,7 +58,8 @@ def planner_config(settings: Settings) -> PlannerConfig:
         max_workers={"both": settings.planner_max_workers, "prefill": settings.planner_max_prefill_workers,
                      "decode": settings.planner_max_decode_workers},
         max_total_workers=settings.planner_max_total_workers, idle_s=settings.planner_idle_s,
-        predictor=settings.planner_predictor)
+        predictor=settings.planner_predictor, read_window_s=settings.planner_window_s,
+        start_s=settings.planner_start_s, down_delay_s=settings.planner_down_delay_s)
 
 
 def _profile(settings: Settings) -> Any:

@@ -5,8 +5,11 @@ I/O and no clock of its own (the time is the observation's), so the same core ru
 Pools are named by their workers' role: `prefill` and `decode` when serving disaggregated, `both` when not.
 Two modes (`PlannerConfig.mode`):
 
-- **sla**: predict the next interval's request rate, mean ISL and mean OSL (`predictors.py`; each never
-  below what the last window observed), turn them into replicas with the capacity profile (`profile.py`:
+- **sla**: predict the request rate, mean ISL and mean OSL (`predictors.py`; each never below what the last
+  window observed) at the *horizon*: when a worker decided now would serve, and as read the rate is already
+  half a read window old, so the horizon is the worker start time (`start_s`, or as this core measures it:
+  from a scale-up's decision to the observation that shows its workers serving) plus half of
+  `read_window_s`, and at least one interval. Turn them into replicas with the capacity profile (`profile.py`:
   the prompt tokens/s a prefill worker sustains at the TTFT target, by ISL; the tokens/s a decode worker
   sustains at the ITL target, by context length), and correct each pool's need by how its observed TTFT
   (prefill) or ITL (decode) compares with what the profile expects at the load it carries now (an EWMA of
@@ -17,7 +20,7 @@ Two modes (`PlannerConfig.mode`):
   under (below `load_headroom` x target, nothing queued).
 
 Either way, and in this order: a pool grows by at most `max_step_up` an interval and shrinks by at most
-`max_step_down`, only after the lower need has held for `down_delay_intervals` intervals in a row and with
+`max_step_down`, only after the lower need has held for `down_delay_s` (every decision since saw it) and with
 a `down_margin` of spare capacity (so noisy flat load does not flap); bounds per pool (`min_workers`,
 `max_workers`) and a `max_total_workers` budget shared by the pools (the pool with the most spare capacity
 gives first); **scale to zero** after `idle_s` with no request at all, and **wake** at once (a serving pool
@@ -94,9 +97,13 @@ class PlannerConfig:
     max_total_workers: int | None = None
     idle_s: float | None = None  # scale every pool to zero after this long without a request; None: never
     predictor: PredictorName = "holt"
+    read_window_s: float = 0.0  # the window the observed rates average over (its middle is what they tell)
+    start_s: float | None = None  # a new worker's time to serve; None: measured, from one interval at first
+    start_alpha: float = 0.5  # the weight of a new start time in the measured one
     max_step_up: int = 4
     max_step_down: int = 1
-    down_delay_intervals: int = 3
+    down_delay_s: float | None = None  # shrink once a lower need has held this long (counting its first
+    # interval); None: three intervals
     down_margin: float = 0.15  # shrink only when the need fits in one worker fewer with this much to spare
     load_headroom: float = 0.6
     load_queue_per_worker: float = 2.0
@@ -126,6 +133,7 @@ class Decision:
     predicted_rate_per_s: float = NAN
     predicted_isl: float = NAN
     predicted_osl: float = NAN
+    horizon_s: float = NAN  # how far ahead the predictions are (sla mode)
 
     def changed(self, previous: Mapping[str, int]) -> dict[str, int]:
         """The pools whose target differs from `previous`, and their new targets."""
@@ -186,7 +194,11 @@ class PlannerCore:
         self._last_full_s: float | None = None
         self.corrections = dict.fromkeys(self.pools, 1.0)
         self.targets: dict[str, int] | None = None  # the last decision's, once there is one
-        self._lower_streak = dict.fromkeys(self.pools, 0)
+        self._lower_since: dict[str, float | None] = dict.fromkeys(self.pools)  # when each lower need began
+        self._now_s = 0.0
+        # scale-ups not serving yet, per pool: (decided at, the count that serves them); and the measured start
+        self._growing: dict[str, list[tuple[float, int]]] = {p: [] for p in self.pools}
+        self.measured_start_s: float | None = None
         self._last_active_s: float | None = None
         self._overrides: dict[str, int] = {}
 
@@ -214,6 +226,8 @@ class PlannerCore:
         request waits for a fleet at zero, an override changed) applies only the wake, the overrides and
         the budget to the current targets: it neither feeds the predictors nor counts toward a shrink."""
         config, now_s = self.config, observation.now_s
+        self._now_s = now_s
+        self._measure_starts(observation)
         current = self.targets if self.targets is not None else {
             p: observation.pools[p].num_workers if p in observation.pools else config.min_of(p) for p in self.pools}
         full = self._last_full_s is None or now_s - self._last_full_s >= 0.5 * config.interval_s
@@ -255,9 +269,49 @@ class PlannerCore:
         if self.budget is not None:
             self.budget.record(self.member, sum(targets.values()),
                                squeezed=any(reasons[p] == "budget" for p in self.pools))
+        for pool in self.pools:
+            self._note_growth(pool, current[pool], targets[pool])
         self.targets = dict(targets)
-        return Decision(now_s, targets, reasons, needs, dict(self.corrections), _or_nan(self._rate.predict()),
-                        _or_nan(self._isl.predict()), _or_nan(self._osl.predict()))
+        steps = self.horizon_s / config.interval_s
+        return Decision(now_s, targets, reasons, needs, dict(self.corrections), _or_nan(self._rate.predict(steps)),
+                        _or_nan(self._isl.predict()), _or_nan(self._osl.predict()),
+                        self.horizon_s if config.mode == "sla" else NAN)
+
+    # ---- the horizon ---------------------------------------------------------------------------------------
+
+    @property
+    def start_s(self) -> float:
+        """A new worker's time from decision to serving: the configured one, else the measured one, else one
+        interval."""
+        if self.config.start_s is not None:
+            return self.config.start_s
+        return self.measured_start_s if self.measured_start_s is not None else self.config.interval_s
+
+    @property
+    def horizon_s(self) -> float:
+        """How far ahead of the observation the sla mode sizes: a worker's start plus half the read window."""
+        return max(self.config.interval_s, self.start_s + self.config.read_window_s / 2)
+
+    def _note_growth(self, pool: str, current: int, target: int) -> None:
+        growing = self._growing[pool]
+        if target > current:
+            growing.append((self._now_s, target))
+        elif target < current:  # a shrink: scale-ups above the new count will never serve
+            growing[:] = [(t, n) for t, n in growing if n <= target]
+
+    def _measure_starts(self, observation: Observation) -> None:
+        """Each scale-up whose count of serving workers the observation reaches is one start time."""
+        alpha = self.config.start_alpha
+        for pool, growing in self._growing.items():
+            seen = observation.pools.get(pool)
+            if seen is None or not growing:
+                continue
+            done = [t for t, n in growing if n <= seen.num_workers]
+            growing[:] = [(t, n) for t, n in growing if n > seen.num_workers]
+            for decided_s in done:
+                took = observation.now_s - decided_s
+                self.measured_start_s = took if self.measured_start_s is None else (
+                    alpha * took + (1 - alpha) * self.measured_start_s)
 
     def _note_activity(self, observation: Observation) -> bool:
         rate = observation.request_rate_per_s
@@ -275,7 +329,7 @@ class PlannerCore:
         config, profile = self.config, self.profile
         # the predictor may see a rise coming, but never hides one already here (a smoothed prediction lags a
         # step up by intervals; scaling down is slow anyway, behind the down delay)
-        rate = max(self._rate.predict() or 0.0, self._observed_rate)
+        rate = max(self._rate.predict(self.horizon_s / config.interval_s) or 0.0, self._observed_rate)
         # the same for the lengths: a window of longer prompts than predicted is sized for what it holds (a
         # model's few requests a window make its mean ISL noisy, and a low prediction under-sized the prefill
         # pool of a model whose load rose: benchmarks.multimodel)
@@ -305,7 +359,7 @@ class PlannerCore:
             now, need = current[pool], needs[pool]
             wanted = config.max_of(pool) if math.isinf(need) else min(math.ceil(need - 1e-9), config.max_of(pool))
             if wanted > now:
-                self._lower_streak[pool] = 0
+                self._lower_since[pool] = None
                 targets[pool], reasons[pool] = min(wanted, now + config.max_step_up), "sla_up"
                 continue
             # one worker fewer still carries the need with `down_margin` to spare
@@ -360,7 +414,7 @@ class PlannerCore:
                 targets[pool], reasons[pool] = now, "hold"
                 continue
             if (known and max(known) > 1) or queue_per_worker > config.load_queue_per_worker:
-                self._lower_streak[pool] = 0
+                self._lower_since[pool] = None
                 grown = min(config.max_of(pool), now + config.max_step_up)
                 targets[pool], reasons[pool] = (grown, "load_up") if grown > now else (now, "hold")
                 continue
@@ -372,19 +426,22 @@ class PlannerCore:
     # ---- shared ------------------------------------------------------------------------------------------
 
     def _maybe_down(self, pool: str, now: int, lower: bool, to: int, reason: str) -> tuple[int, str]:
-        """Shrink `pool` toward `to` (by `max_step_down` at most) once a lower need has held for
-        `down_delay_intervals` decisions in a row; else hold."""
+        """Shrink `pool` toward `to` (by `max_step_down` at most) once every decision of the last
+        `down_delay_s` saw a lower need (the first one counting its interval); else hold."""
         config = self.config
         if not lower:
-            self._lower_streak[pool] = 0
+            self._lower_since[pool] = None
             return min(now, config.max_of(pool)), "hold" if now <= config.max_of(pool) else "bound"
         if self._yielding:  # another model waits for workers: what this pool does not need goes now
-            self._lower_streak[pool] = 0
+            self._lower_since[pool] = None
             return max(to, 0), "yield"
-        self._lower_streak[pool] += 1
-        if self._lower_streak[pool] < config.down_delay_intervals:
+        since = self._lower_since[pool]
+        if since is None:
+            since = self._lower_since[pool] = self._now_s
+        delay_s = 3 * config.interval_s if config.down_delay_s is None else config.down_delay_s
+        if self._now_s - since + config.interval_s < delay_s - 1e-9:
             return now, "hold"
-        self._lower_streak[pool] = 0
+        self._lower_since[pool] = None
         return max(to, now - config.max_step_down, 0), reason
 
     def _apply_budget(self, targets: dict[str, int], reasons: dict[str, str], needs: Mapping[str, float], *,

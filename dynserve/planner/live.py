@@ -110,7 +110,8 @@ def _mean(metric: str, window: str, by: str, selector: str = "") -> str:
 class Actuator(Protocol):
     """Carries decisions out: `refresh()` reads the pools' sizes where others may change them too (before each
     decision), `current()` is each pool's worker count as the actuator has set or read it (starting and
-    serving workers), `scale(pool, n)` brings the pool to `n` workers (returning once done)."""
+    serving workers), `scale(pool, n)` sets the pool's target to `n` workers and returns once the target is set:
+    workers start (or drain) after that, so a later decision is applied without waiting for them."""
 
     async def refresh(self) -> None: ...
 
@@ -120,11 +121,14 @@ class Actuator(Protocol):
 
 
 class PoolActuator:
-    """Scales Ray `WorkerPool`s (`pools`: pool name -> pool; used through `policy.num_active`, `add()` and
-    `remove()`): new workers start together; removed ones drain (their in-flight requests finish)."""
+    """Scales Ray `WorkerPool`s (`pools`: pool name -> pool; used through `policy.target`, `add()` and
+    `remove()`): new workers start together; removed ones drain (their in-flight requests finish). `scale`
+    changes the pool's target before its first await and leaves the starts and drains to background tasks,
+    so a second scale-up decided while the first one's workers start is not held behind them."""
 
     def __init__(self, pools: Mapping[str, Any]) -> None:
         self.pools = dict(pools)
+        self._changes: set[asyncio.Task[Any]] = set()  # starts and drains under way
 
     async def refresh(self) -> None:
         """Nothing to read: only this actuator changes the pools' targets."""
@@ -139,16 +143,29 @@ class PoolActuator:
     async def scale(self, pool: str, num_workers: int) -> None:
         target = self.pools[pool]
         delta = num_workers - target.policy.target
-        if delta > 0:
-            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.target, num_workers)
-            results = await asyncio.gather(*(target.add() for _ in range(delta)), return_exceptions=True)
-            failed = [r for r in results if isinstance(r, BaseException)]
-            if failed:  # the pool replaces them per its restart policy
-                logger.warning("planner: %d of %d new workers of pool %s failed to start: %s", len(failed), delta,
-                               pool, failed[0])
-        elif delta < 0:
-            logger.info("planner: pool %s %d -> %d workers", pool, target.policy.target, num_workers)
-            await asyncio.gather(*(target.remove() for _ in range(-delta)))
+        if delta == 0:
+            return
+        logger.info("planner: pool %s %d -> %d workers", pool, target.policy.target, num_workers)
+        # each add() and remove() changes the pool's target in its first step, before it awaits anything: one
+        # yield runs those steps, in order, before this returns
+        changes = [asyncio.ensure_future(target.add() if delta > 0 else target.remove()) for _ in range(abs(delta))]
+        await asyncio.sleep(0)
+        watch = asyncio.create_task(self._watch(pool, delta, changes), name=f"planner-watch-{pool}")
+        self._changes.add(watch)
+        watch.add_done_callback(self._changes.discard)
+
+    async def wait(self) -> None:
+        """Until the starts and drains under way have ended (tests, shutdown)."""
+        while self._changes:
+            await asyncio.gather(*self._changes, return_exceptions=True)
+
+    @staticmethod
+    async def _watch(pool: str, delta: int, changes: list[asyncio.Future[Any]]) -> None:
+        results = await asyncio.gather(*changes, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:  # a start that failed is replaced by the pool per its restart policy
+            logger.warning("planner: %d of %d %s of pool %s failed: %s", len(failed), abs(delta),
+                           "new workers" if delta > 0 else "drains", pool, failed[0])
 
 
 class PlannerMetrics:
@@ -305,8 +322,9 @@ class PlannerLoop:
         return decision
 
     def _scale(self, pool: str, count: int) -> None:
-        """Bring `pool` to `count` in the background; a newer decision for the pool waits for the running one
-        and then applies (the actuator's count is what the next decision starts from)."""
+        """Set `pool`'s target to `count` in the background; a newer decision for the pool waits until the
+        running one has set its target (not for its workers: see `Actuator.scale`) and then applies (the
+        actuator's count is what the next decision starts from)."""
         previous = self._scaling.get(pool)
 
         async def run() -> None:

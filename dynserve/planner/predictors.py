@@ -1,5 +1,6 @@
 """Load predictors: each takes one observation per planner interval (request rate, mean ISL or mean OSL) and
-predicts the next interval's value. Pure and deterministic: the same observations give the same prediction.
+predicts the value `steps` intervals ahead (the planner's horizon over its interval). Pure and deterministic:
+the same observations give the same prediction.
 
 - `constant`: the last observation (what the planner would see if the load held still);
 - `ewma`: an exponentially weighted moving average (`alpha` weights the newest observation): smooths noise,
@@ -26,7 +27,9 @@ PredictorName = Literal["constant", "ewma", "holt"]
 class Predictor(Protocol):
     def observe(self, value: float) -> None: ...
 
-    def predict(self) -> float | None: ...
+    def predict(self, steps: float = 1.0) -> float | None:
+        """The value `steps` intervals after the last observation (a level without a trend: the same for any)."""
+        ...
 
 
 class ConstantPredictor:
@@ -37,7 +40,7 @@ class ConstantPredictor:
         if math.isfinite(value):
             self._last = value
 
-    def predict(self) -> float | None:
+    def predict(self, steps: float = 1.0) -> float | None:
         return self._last
 
 
@@ -53,12 +56,12 @@ class EwmaPredictor:
             return
         self._level = value if self._level is None else self.alpha * value + (1 - self.alpha) * self._level
 
-    def predict(self) -> float | None:
+    def predict(self, steps: float = 1.0) -> float | None:
         return self._level
 
 
 class HoltPredictor:
-    """Level and trend, smoothed by `alpha` and `beta`; predicts `level + trend` (one interval ahead)."""
+    """Level and trend, smoothed by `alpha` and `beta`; predicts `level + steps * trend`."""
 
     def __init__(self, alpha: float = 0.6, beta: float = 0.3) -> None:
         if not (0 < alpha <= 1 and 0 < beta <= 1):
@@ -77,10 +80,10 @@ class HoltPredictor:
         self._level = self.alpha * value + (1 - self.alpha) * (previous + self._trend)
         self._trend = self.beta * (self._level - previous) + (1 - self.beta) * self._trend
 
-    def predict(self) -> float | None:
+    def predict(self, steps: float = 1.0) -> float | None:
         if self._level is None:
             return None
-        return max(0.0, self._level + self._trend)
+        return max(0.0, self._level + steps * self._trend)
 
 
 PREDICTORS: dict[str, type[ConstantPredictor] | type[EwmaPredictor] | type[HoltPredictor]] = {
