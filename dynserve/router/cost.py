@@ -5,7 +5,13 @@ then the pick.
 
 `blocks_to_prefill` is the prompt's blocks the worker does not already hold (its prefix overlap from the
 index subtracted); `active_blocks` is the KV the worker is busy with (what the router sent and has not
-seen finish). The lowest cost wins (ties: the earliest candidate); with `temperature > 0` the pick is
+seen finish).
+
+Tiers. A prefix block held on the device saves a whole block of prefill; one held on a lower medium saves
+the prefill less the cost of bringing it back to the device, so it is credited `host_hit_weight` or
+`disk_hit_weight` of a block (`tier_credits`): the overlap subtracted above is then
+`device + host_hit_weight * host + disk_hit_weight * disk`. With no lower-medium block in any candidate's
+prefix the credit is the overlap itself and every decision is the device-only one. The lowest cost wins (ties: the earliest candidate); with `temperature > 0` the pick is
 sampled from a softmax over costs normalized to [0, 1], which spreads load among near-equal workers.
 
 Hot-spot guard: cache affinity can pile requests onto the worker holding a popular prefix faster than the
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
 
-__all__ = ["Decision", "RoutingPolicy", "choose", "costs", "is_hot_spot", "select"]
+__all__ = ["Decision", "RoutingPolicy", "choose", "costs", "is_hot_spot", "select", "tier_credits"]
 
 _ZEROS = repeat(0)  # the default of `dict.get` for every candidate (an endless iterator: safe to share)
 
@@ -44,27 +50,54 @@ class RoutingPolicy:
     temperature: float = 0.0
     hot_spot_ratio: float = 2.0
     hot_spot_min_blocks: int = 1024
+    # The share of a block's prefill that a hit on the host / disk tier saves (a device hit saves 1).
+    # Estimates, not measurements: onboarding a block is a copy of its bytes, prefilling it is the model's
+    # FLOPs over it. On a GPU (a 2 MiB block of an 8B model: ~0.6 ms to prefill on an H100, ~0.05 ms over
+    # PCIe at ~40 GB/s, ~0.4 ms from NVMe at ~5 GB/s) host saves ~0.9 and disk ~0.4; on a CPU worker the
+    # prefill is far dearer than either copy (both ~0.95+). The defaults take the GPU's, the smaller
+    # savings; `python -m benchmarks.tiers` (issue 35, part 5) is to measure them.
+    host_hit_weight: float = 0.9
+    disk_hit_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0 or self.hot_spot_min_blocks < 0:
             raise ValueError(f"routing policy values must not be negative: {self}")
+        if not (0 <= self.host_hit_weight <= 1 and 0 <= self.disk_hit_weight <= 1):
+            raise ValueError(f"host_hit_weight and disk_hit_weight must lie in [0, 1]: {self}")
         if self.hot_spot_ratio <= 1:
             raise ValueError(f"hot_spot_ratio must be above 1 (max/mean >= 1): {self.hot_spot_ratio}")
 
 
 @dataclass(slots=True)
 class Decision:
-    """The chosen worker, how many leading blocks of the prompt it holds, and whether the hot-spot guard
-    chose it (the guard fired; the cost may or may not have agreed)."""
+    """The chosen worker, how many leading blocks of the prompt it holds (on any medium), whether the
+    hot-spot guard chose it (the guard fired; the cost may or may not have agreed), and, when part of its
+    prefix lies below the device, its blocks per medium (`protocol.MEDIA` order; None: all on the device)."""
 
     worker_id: str
     overlap_blocks: int
     hot_spot: bool = False
+    blocks_by_medium: tuple[int, ...] | None = None
 
 
-def costs(num_prompt_blocks: int, overlaps: Mapping[str, int], active_blocks: Mapping[str, int],
+def tier_credits(overlaps: Mapping[str, int], lower: Mapping[str, Sequence[int]],
+                 policy: RoutingPolicy) -> Mapping[str, float]:
+    """Each worker's overlap credited by tier: `overlaps` (blocks held on any medium) where the worker is
+    absent from `lower`, else `device + host_hit_weight * host + disk_hit_weight * disk` from its blocks per
+    medium in `lower` (`protocol.MEDIA` order). `overlaps` itself when `lower` is empty."""
+    if not lower:
+        return overlaps
+    credits: dict[str, float] = dict(overlaps)
+    host_weight, disk_weight = policy.host_hit_weight, policy.disk_hit_weight
+    for worker_id, (device, host, disk) in lower.items():
+        credits[worker_id] = device + host_weight * host + disk_weight * disk
+    return credits
+
+
+def costs(num_prompt_blocks: int, overlaps: Mapping[str, float], active_blocks: Mapping[str, int],
           overlap_weight: float = 1.0) -> dict[str, float]:
-    """Cost of each worker in `active_blocks` (the candidates) for a prompt of `num_prompt_blocks` blocks."""
+    """Cost of each worker in `active_blocks` (the candidates) for a prompt of `num_prompt_blocks` blocks;
+    `overlaps` are the blocks each saves (its overlap, or its tier credits)."""
     return {worker: overlap_weight * (num_prompt_blocks - overlaps.get(worker, 0)) + active
             for worker, active in active_blocks.items()}
 
@@ -92,23 +125,43 @@ def is_hot_spot(active_blocks: Sequence[int], policy: RoutingPolicy) -> bool:
 
 def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequence[str],
            active_blocks: Mapping[str, int], policy: RoutingPolicy,
-           rng: random.Random | None = None, cached_blocks: Callable[[str], int] | None = None) -> Decision:
+           rng: random.Random | None = None, cached_blocks: Callable[[str], int] | None = None,
+           lower: Mapping[str, Sequence[int]] | None = None) -> Decision:
     """The worker among `candidates` (in preference order for ties) for a prompt of `num_prompt_blocks`
     blocks, given each worker's prefix overlap (`overlaps`, workers absent hold none; workers that are not
-    candidates are ignored) and load (`active_blocks`, absent: 0).
+    candidates are ignored) and load (`active_blocks`, absent: 0). `lower`: the blocks per medium of the
+    workers whose prefix reaches below the device (`TieredIndex.match`); the cost then credits their
+    overlap by tier (`tier_credits`), and the decision still reports the blocks held.
 
-    Equal to `select(costs(...), temperature, rng)` over the candidates unless the hot-spot guard fires;
+    Equal to `select(costs(num_prompt_blocks, tier_credits(...), ...), temperature, rng)` over the
+    candidates unless the hot-spot guard fires;
     exactly so while costs stay below 2**52 (any real block count). With `cached_blocks` (the blocks a
     worker's cache holds), equally loaded workers that hold none of the prompt are ranked by it first: a new
     prompt goes to the emptiest cache, so new prefixes spread over the caches instead of filling the first
     candidate's (the role of sglang's smallest-tree pick)."""
+    if lower:
+        decision = _choose(num_prompt_blocks, tier_credits(overlaps, lower, policy), candidates, active_blocks,
+                           policy, rng, cached_blocks)
+        worker_id = decision.worker_id
+        decision.overlap_blocks = overlaps.get(worker_id, 0)
+        by_medium = lower.get(worker_id)
+        decision.blocks_by_medium = tuple(by_medium) if by_medium is not None else None
+        return decision
+    return _choose(num_prompt_blocks, overlaps, candidates, active_blocks, policy, rng, cached_blocks)
+
+
+def _choose(num_prompt_blocks: int, overlaps: Mapping[str, float], candidates: Sequence[str],
+            active_blocks: Mapping[str, int], policy: RoutingPolicy, rng: random.Random | None,
+            cached_blocks: Callable[[str], int] | None) -> Decision:
+    """`choose` over blocks saved per worker (`overlaps`: held blocks, or tier credits); the decision's
+    `overlap_blocks` is the chosen one's entry there (a credit, which `choose` replaces by the blocks held)."""
     loads = _loads(candidates, active_blocks)
     if is_hot_spot(loads, policy):
         return _least_loaded(overlaps, candidates, loads)
     if policy.temperature > 0:
         worker_costs = costs(num_prompt_blocks, overlaps, dict(zip(candidates, loads)), policy.overlap_weight)
         chosen = select(worker_costs, policy.temperature, rng)
-        return Decision(chosen, overlaps.get(chosen, 0))
+        return Decision(chosen, overlaps.get(chosen, 0))  # type: ignore[arg-type]  # see the docstring
     return _cheapest(num_prompt_blocks, overlaps, candidates, loads, policy.overlap_weight, cached_blocks)
 
 
@@ -124,7 +177,7 @@ def _loads(candidates: Sequence[str], active_blocks: Mapping[str, int]) -> Seque
         return list(map(active_blocks.get, candidates, _ZEROS))
 
 
-def _cheapest(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequence[str],
+def _cheapest(num_prompt_blocks: int, overlaps: Mapping[str, float], candidates: Sequence[str],
               loads: Sequence[int], overlap_weight: float,
               cached_blocks: Callable[[str], int] | None = None) -> Decision:
     """Lowest (cost, position). A candidate holding none of the prompt costs `w * P + load`, so among
@@ -156,7 +209,7 @@ def _cheapest(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: S
     return Decision(candidates[best_position], best_overlap)
 
 
-def _least_loaded(overlaps: Mapping[str, int], candidates: Sequence[str], loads: Sequence[int]) -> Decision:
+def _least_loaded(overlaps: Mapping[str, float], candidates: Sequence[str], loads: Sequence[int]) -> Decision:
     """The least loaded candidate; among equally loaded ones the one with the most overlap, then the first."""
     min_load = min(loads)
     least = loads.index(min_load)

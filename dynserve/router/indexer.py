@@ -18,7 +18,8 @@ case (a prefix lives on one or two workers). Both give the same answer (tests ch
 Events are numbered per worker. `apply` takes them in order and stops at the first gap (a lost event,
 or a worker seen for the first time mid-stream), returning False: the caller then asks that worker for a
 snapshot (its cached hashes and the id of its last event) and calls `resync`, after which events
-continue from there. `add_blocks`/`remove_blocks` change a worker's blocks outside the numbering (the
+continue from there. `apply` indexes device blocks; events on a lower medium keep their place in the
+numbering and go to a callback (`tiers.TieredIndex` indexes them in an index of their own). `add_blocks`/`remove_blocks` change a worker's blocks outside the numbering (the
 approximate router's memory of where it sent prompts, `router.approx`).
 
 Invariants, checked by `check_integrity`: every live entry of a run maps back to that run; a shared entry
@@ -28,15 +29,16 @@ run with a live entry (dead runs are dropped as the list grows); bits belong to 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import takewhile
 from operator import eq, truth
 
-from dynserve.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from dynserve.protocol import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["RUN_BLOCKS", "KVIndex"]
 
+DEVICE = MEDIA[0]  # the medium this index holds (`tiers.TieredIndex` keeps one of these per medium)
 RUN_BLOCKS = 32  # longest run: bounds the search for a hash inside its run (entering mid-run, removing)
 
 _Run = list  # [worker bit, hash or None, ...]: held hashes in chain order, None where one is no longer live
@@ -121,8 +123,11 @@ class KVIndex:
 
     # ---- events ----------------------------------------------------------------------------------------
 
-    def apply(self, worker_id: str, events: Iterable[KVEvent]) -> bool:
-        """Apply `worker_id`'s events in order; False at the first gap (the rest is not applied: resync)."""
+    def apply(self, worker_id: str, events: Iterable[KVEvent],
+              elsewhere: Callable[[str, KVEvent], None] | None = None) -> bool:
+        """Apply `worker_id`'s events in order; False at the first gap (the rest is not applied: resync).
+        This index holds device blocks: a store or removal on another medium is handed to `elsewhere` (in
+        its place in the numbering) or skipped without one; a clear is applied and handed on too."""
         worker = self._worker(worker_id)
         for event in events:
             expected = 0 if worker.last_event_id is None else worker.last_event_id + 1
@@ -131,11 +136,19 @@ class KVIndex:
             if event.event_id > expected:
                 return False
             if isinstance(event, BlockStored):
-                self._store(worker, event.block_hashes)
+                if event.medium == DEVICE:
+                    self._store(worker, event.block_hashes)
+                elif elsewhere is not None:
+                    elsewhere(worker_id, event)
             elif isinstance(event, BlockRemoved):
-                self._remove(worker, event.block_hashes)
+                if event.medium == DEVICE:
+                    self._remove(worker, event.block_hashes)
+                elif elsewhere is not None:
+                    elsewhere(worker_id, event)
             elif isinstance(event, AllBlocksCleared):
                 self._drop_all(worker)
+                if elsewhere is not None:
+                    elsewhere(worker_id, event)
             worker.last_event_id = event.event_id
         return True
 
@@ -155,6 +168,13 @@ class KVIndex:
         worker = self._workers.get(worker_id)
         if worker is not None:
             self._remove(worker, block_hashes)
+
+    def clear_blocks(self, worker_id: str) -> None:
+        """Drop every block `worker_id` holds, outside the event numbering (it stays known, bit and numbering
+        kept)."""
+        worker = self._workers.get(worker_id)
+        if worker is not None:
+            self._drop_all(worker)
 
     def _store(self, worker: _Worker, block_hashes: Iterable[int]) -> None:
         entries, bit, runs = self._entries, worker.bit, worker.runs
@@ -251,6 +271,14 @@ class KVIndex:
             overlaps[owners[low].worker_id] = _follow_runs(self._entries, low, block_hashes, depth)
             candidates ^= low
         return overlaps
+
+    def extend(self, worker_id: str, block_hashes: list[int], start: int) -> int:
+        """The end of the stretch of `block_hashes` that `worker_id` holds from `start` on: `start` when it does
+        not hold `block_hashes[start]` (the tiered index continues a prefix from one medium in the next)."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return start
+        return _follow_runs(self._entries, worker.bit, block_hashes, start)
 
     # ---- integrity -------------------------------------------------------------------------------------
 

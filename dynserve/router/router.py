@@ -1,8 +1,9 @@
 """The router: which worker gets a request. Modes (`ROUTER_MODES`):
 
 - `kv`: hash the prompt's full blocks (the engine's own function, so a router hit is an engine hit), look up
-  each worker's prefix overlap in the `KVIndex` that `consume` keeps current from the workers' KV events,
-  and decide with `cost.choose` (overlap against load, with the hot-spot guard);
+  each worker's prefix overlap, on every KV medium, in the `TieredIndex` that `consume` keeps current from
+  the workers' KV events, and decide with `cost.choose` (overlap credited by tier, against load, with the
+  hot-spot guard);
 - `approximate`: the same decision, but the overlaps come from the router's own memory of which prompts it
   sent where (`approx.RouteMemory`, forgotten after a TTL), for deployments without an event plane;
 - `round_robin`, `random`, `least_loaded` (fewest active blocks): baselines that ignore the cache.
@@ -29,6 +30,7 @@ from dynserve.protocol import KVSnapshot, WorkerLoad
 from dynserve.router.approx import RouteMemory
 from dynserve.router.cost import Decision, RoutingPolicy, choose
 from dynserve.router.indexer import KVIndex
+from dynserve.router.tiers import TieredIndex
 
 if TYPE_CHECKING:
     from dynserve.config import Settings
@@ -59,18 +61,27 @@ class Router:
     def __init__(self, mode: RouterMode, *, block_size: int, salt: int, overlap_weight: float = 1.0,
                  temperature: float = 0.0, seed: int = 0, hot_spot_ratio: float = 2.0,
                  hot_spot_min_blocks: int = 1024, approx_ttl_s: float = 120.0, approx_max_blocks: int = 65_536,
+                 host_hit_weight: float = 0.9, disk_hit_weight: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`clock` times the approximate memory's TTL (tests pass a fake one)."""
+        """`clock` times the approximate memory's TTL (tests pass a fake one); the other knobs are
+        `RoutingPolicy`'s."""
         if mode not in ROUTER_MODES:
             raise ValueError(f"unknown router mode {mode!r}; choose one of {', '.join(ROUTER_MODES)}")
         self.mode, self.block_size, self.salt = mode, block_size, salt
         self.policy = RoutingPolicy(overlap_weight=overlap_weight, temperature=temperature,
-                                    hot_spot_ratio=hot_spot_ratio, hot_spot_min_blocks=hot_spot_min_blocks)
+                                    hot_spot_ratio=hot_spot_ratio, hot_spot_min_blocks=hot_spot_min_blocks,
+                                    host_hit_weight=host_hit_weight, disk_hit_weight=disk_hit_weight)
         self.memory: RouteMemory | None = None
+        # kv (and the baselines): every medium, fed by events; approximate: the memory's own device-only
+        # index (what it remembers routing)
+        self.index: TieredIndex | KVIndex
         if mode == "approximate":
             self.memory = RouteMemory(ttl_s=approx_ttl_s, max_blocks_per_worker=approx_max_blocks)
-        # kv: fed by events; approximate: the memory's own index (what it remembers routing)
-        self.index: KVIndex = self.memory.index if self.memory is not None else KVIndex()
+            self.index = self.memory.index
+            self._cached_blocks: Callable[[str], int] = self.index.num_worker_blocks
+        else:
+            self.index = TieredIndex()
+            self._cached_blocks = self.index.device.num_worker_blocks  # new prefixes fill the device first
         self.observer: RouterObserver | None = None
         self._clock = clock
         self._rng = random.Random(seed)
@@ -114,9 +125,12 @@ class Router:
         hashes = hash_blocks(token_ids, self.block_size, self.salt)
         now_s = self._clock() if self.memory is not None else 0.0
         start_s = time.perf_counter()
-        overlaps = self.memory.match(hashes, now_s) if self.memory is not None else self.index.match(hashes)
+        if self.memory is not None:
+            overlaps, lower = self.memory.match(hashes, now_s), None
+        else:
+            overlaps, lower = self.index.match(hashes)
         decision = choose(len(hashes), overlaps, candidates, self._active, self.policy, self._rng,
-                          cached_blocks=self.index.num_worker_blocks)
+                          cached_blocks=self._cached_blocks, lower=lower)
         decision_s = time.perf_counter() - start_s
         if self.memory is not None:
             self.memory.remember(decision.worker_id, hashes, now_s)
