@@ -111,8 +111,8 @@ def test_blocks_of_an_unseen_parent_other_media_and_removals() -> None:
     child = translator.translate([VllmStored([b"c"], b"b", [8, 9, 10, 11], 4)])
     assert child == [BlockStored(1, first[0].block_hashes[-1], hash_blocks(list(range(12)), 4, salt)[2:])]
     assert translator.translate([VllmStored([b"x"], b"never-seen", [1, 2, 3, 4], 4)]) == []
-    assert translator.translate([VllmStored([b"y"], None, [1, 2, 3, 4], 4, medium="CPU")]) == []
-    assert (translator.num_orphans, translator.num_other_medium) == (1, 1)
+    assert translator.translate([VllmStored([b"y"], None, [1, 2, 3, 4], 4, medium="NVLINK")]) == []
+    assert (translator.num_orphans, translator.num_unknown_medium) == (1, 1)
     removed = translator.translate([VllmRemoved([b"c", b"zz"], "GPU")])
     assert removed == [BlockRemoved(2, [child[0].block_hashes[0]])]
     lora = translator.translate([VllmStored([b"l"], None, [1, 2, 3, 4], 4, lora_name="ad")])

@@ -15,8 +15,16 @@ Re-hashing. vLLM's hashes are its own (seeded per process unless `PYTHONHASHSEED
 re-hashes each stored block from the token ids the event carries, chained from the parent's dynserve hash
 (looked up by the parent's vLLM hash), salted by the model (and the LoRA's name). A block whose parent the
 relay never saw (it joined late or lost events) cannot be re-hashed: its run is skipped, the router sees no
-hit for it, which is an undercount, never a wrong hit. Only blocks on the device tier (`medium` GPU, or
-unspecified) are routed to; other media are counted (`VllmTranslator.num_other_medium`) and not indexed.
+hit for it, which is an undercount, never a wrong hit.
+
+Media. vLLM names the medium of each stored or removed block (its offloading specs' `medium()`): "GPU"
+(or none: the device), "CPU" (its offloading connector's host tier), "DISK"; they become dynserve's
+`MEDIA` ("device", "host", "disk") and feed the router's tiered index. The offloading connector's stores
+carry no token ids (and block size 0): such a block is translated by its vLLM hash, which is the hash of a
+block the worker stored on the device before; one the relay never saw is counted an orphan. A vLLM hash
+keeps its translation while any medium holds the block, so a removal on any medium is translated. Blocks
+on a medium we do not know are counted (`VllmTranslator.num_unknown_medium`) and not indexed. A vLLM
+`AllBlocksCleared` clears the worker on every medium (an undercount if vLLM kept its offloaded blocks).
 
 Gaps. A sequence number that skips ahead is a lost message: the relay asks the replay socket for the missed
 ones; when there is none, or the replay does not reach back that far, the worker's index is cleared
@@ -34,7 +42,7 @@ from typing import Any
 import msgspec
 
 from dynserve.hashing import hash_blocks, model_salt
-from dynserve.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from dynserve.protocol import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = ["END_SEQ", "VllmBatch", "VllmCleared", "VllmEventRelay", "VllmRemoved", "VllmStored", "VllmTranslator",
            "decode_batch"]
@@ -42,7 +50,9 @@ __all__ = ["END_SEQ", "VllmBatch", "VllmCleared", "VllmEventRelay", "VllmRemoved
 logger = logging.getLogger(__name__)
 
 END_SEQ = -1  # the replay socket's end marker
-_DEVICE_MEDIA = (None, "GPU", "gpu")
+# vLLM's names of media (upper-cased) -> ours; None (not given, older releases) is the device
+_MEDIA = {None: "device", "GPU": "device", "CUDA": "device", "CPU": "host", "DISK": "disk"}
+_MEDIUM_BITS = {medium: 1 << i for i, medium in enumerate(MEDIA)}
 
 # the positional fields of each event type, in vLLM's order (later releases append fields; extras are ignored)
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name")
@@ -103,7 +113,7 @@ def _event(raw: Any) -> VllmEvent:
     if kind == "BlockStored":
         f = _fields(raw, _STORED_FIELDS, kind)
         if not isinstance(f["block_hashes"], list) or not isinstance(f["token_ids"], list) \
-                or not isinstance(f["block_size"], int) or f["block_size"] <= 0:
+                or not isinstance(f["block_size"], int) or f["block_size"] < 0:
             raise VllmDecodeError(f"malformed BlockStored: {raw!r}")
         return VllmStored(**f)
     if kind == "BlockRemoved":
@@ -128,15 +138,22 @@ def decode_batch(payload: bytes) -> VllmBatch:
     return VllmBatch(ts=float(raw[0]), events=[_event(e) for e in raw[1]], data_parallel_rank=rank)
 
 
+def _medium(vllm_medium: str | None) -> str | None:
+    """Our medium for vLLM's name of one (None: a medium we do not know)."""
+    return _MEDIA.get(vllm_medium.upper() if isinstance(vllm_medium, str) else vllm_medium)
+
+
 @dataclass
 class VllmTranslator:
-    """vLLM events of one worker as dynserve events (numbered from 0), re-hashed for `model_id`."""
+    """vLLM events of one worker as dynserve events (numbered from 0), re-hashed for `model_id`, each on its
+    medium."""
 
     model_id: str
     block_size: int
-    num_other_medium: int = 0  # blocks stored or removed on another tier than the device's
-    num_orphans: int = 0  # stored blocks skipped: their parent was never seen
-    _ours: dict[VllmHash, int] = field(default_factory=dict)  # vLLM's hash -> dynserve's
+    num_unknown_medium: int = 0  # blocks stored or removed on a medium we do not know (not indexed)
+    num_orphans: int = 0  # stored blocks skipped: their parent (or, with no token ids, the block) never seen
+    _ours: dict[VllmHash, int] = field(default_factory=dict)  # vLLM's hash -> dynserve's, while held
+    _media: dict[VllmHash, int] = field(default_factory=dict)  # vLLM's hash -> the media holding it (bits)
     _next_id: int = 0
     _salts: dict[str | None, int] = field(default_factory=dict)
 
@@ -153,21 +170,26 @@ class VllmTranslator:
         out: list[KVEvent] = []
         for event in events:
             if isinstance(event, VllmCleared):
-                self._ours.clear()
-                out.append(AllBlocksCleared(self._id()))
-            elif event.medium not in _DEVICE_MEDIA:
-                self.num_other_medium += len(event.block_hashes)
+                out.append(self.reset())
+                continue
+            medium = _medium(event.medium)
+            if medium is None:
+                self.num_unknown_medium += len(event.block_hashes)
             elif isinstance(event, VllmStored):
-                stored = self._stored(event)
+                stored = self._stored(event, medium)
                 if stored is not None:
                     out.append(stored)
             else:
-                ours = [self._ours.pop(h) for h in event.block_hashes if h in self._ours]
-                if ours:
-                    out.append(BlockRemoved(self._id(), ours))
+                removed = self._removed(event, medium)
+                if removed is not None:
+                    out.append(removed)
         return out
 
-    def _stored(self, event: VllmStored) -> BlockStored | None:
+    def _stored(self, event: VllmStored, medium: str) -> BlockStored | None:
+        if not event.token_ids and medium != MEDIA[0]:  # a block copied down a tier: known by its hash
+            known = [h for h in event.block_hashes if h in self._ours]
+            self.num_orphans += len(event.block_hashes) - len(known)
+            return self._hold(known, [self._ours[h] for h in known], None, medium)
         if event.block_size != self.block_size:
             raise VllmDecodeError(f"the worker stores blocks of {event.block_size} tokens; it was announced "
                                   f"with {self.block_size}")
@@ -181,12 +203,38 @@ class VllmTranslator:
         if len(ours) != len(event.block_hashes):
             raise VllmDecodeError(f"BlockStored with {len(event.block_hashes)} hashes and "
                                   f"{len(event.token_ids)} token ids of blocks of {self.block_size}")
-        self._ours.update(zip(event.block_hashes, ours, strict=True))
-        return BlockStored(self._id(), parent, list(ours))
+        return self._hold(event.block_hashes, list(ours), parent, medium)
+
+    def _hold(self, theirs: list[VllmHash], ours: list[int], parent: int | None,
+              medium: str) -> BlockStored | None:
+        """Record that `medium` holds the blocks `theirs` (ours: `ours`); the event saying so, if any."""
+        if not ours:
+            return None
+        bit, media = _MEDIUM_BITS[medium], self._media
+        self._ours.update(zip(theirs, ours, strict=True))
+        for h in theirs:
+            media[h] = media.get(h, 0) | bit
+        return BlockStored(self._id(), parent, ours, medium=medium)
+
+    def _removed(self, event: VllmRemoved, medium: str) -> BlockRemoved | None:
+        bit, media = _MEDIUM_BITS[medium], self._media
+        ours = []
+        for h in event.block_hashes:
+            held = media.get(h, 0)
+            if not held & bit:
+                continue
+            ours.append(self._ours[h])
+            if held == bit:  # no medium holds it now: forget its translation
+                del media[h], self._ours[h]
+            else:
+                media[h] = held & ~bit
+        return BlockRemoved(self._id(), ours, medium=medium) if ours else None
 
     def reset(self) -> AllBlocksCleared:
-        """Forget everything (events were lost): the event that clears the worker's index."""
+        """Forget everything (events were lost, or the worker cleared its cache): the event that clears the
+        worker's index on every medium."""
         self._ours.clear()
+        self._media.clear()
         return AllBlocksCleared(self._id())
 
 
