@@ -205,6 +205,9 @@ def test_vllm_cpu_offloaded_blocks_land_in_the_host_medium_and_draw_the_request(
     assert router.index.apply("v0", events)
     assert router.index.match(ours) == ({"v0": 3}, {"v0": (1, 2, 0)})  # a on the device, b and c on host
     assert router.pick(tokens, ["idle", "v0"], {}) == ("v0", 3)
+    assert router.index_blocks_by_medium() == {DEVICE: 1, HOST: 2, DISK: 0}
+    assert Router("approximate", block_size=BLOCK_SIZE, salt=SALT).index_blocks_by_medium() == {
+        DEVICE: 0, HOST: 0, DISK: 0}
     # the device copy of "a" goes too; its host copy was removed above: nothing is held any more
     removals = translator.translate([VllmRemoved([b"a"], "GPU"), VllmRemoved([b"b", b"c"], "CPU")])
     assert removals == [BlockRemoved(4, ours[:1]), BlockRemoved(5, ours[1:], medium=HOST)]

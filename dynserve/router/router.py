@@ -9,7 +9,8 @@
 - `round_robin`, `random`, `least_loaded` (fewest active blocks): baselines that ignore the cache.
 
 Load ("active blocks") counts what this router sent and has not seen finish. `consume` resyncs a worker from
-its snapshot when its event numbers jump. This module is the shell around the pure parts (`cost`,
+its snapshot when its event numbers jump (the snapshot's device blocks; its lower media are dropped until
+their events come again: an undercount, never a stale hit). This module is the shell around the pure parts (`cost`,
 `indexer`, `approx`); what it measures (decision time, overlap, event lag, routed requests) goes to a
 `RouterObserver` (the gateway's Prometheus metrics), so the router itself has no metrics dependency.
 """
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.hashing import hash_blocks
-from dynserve.protocol import KVSnapshot, WorkerLoad
+from dynserve.protocol import MEDIA, KVSnapshot, WorkerLoad
 from dynserve.router.approx import RouteMemory
 from dynserve.router.cost import Decision, RoutingPolicy, choose
 from dynserve.router.indexer import KVIndex
@@ -162,6 +163,15 @@ class Router:
         if self.memory is not None:
             self.memory.expire(self._clock())
         return self.index.num_blocks, sum(1 for w in self.index.worker_ids if self.index.num_worker_blocks(w))
+
+    def index_blocks_by_medium(self) -> dict[str, int]:
+        """Blocks the router's index knows per KV medium (`protocol.MEDIA`), for a per-tier gauge; the
+        approximate memory knows only the device (expired blocks are dropped first, as `index_size`)."""
+        if isinstance(self.index, TieredIndex):
+            return self.index.num_blocks_by_medium()
+        if self.memory is not None:
+            self.memory.expire(self._clock())
+        return {medium: self.index.num_blocks if medium == MEDIA[0] else 0 for medium in MEDIA}
 
     # ---- keeping the index current ---------------------------------------------------------------------
 
