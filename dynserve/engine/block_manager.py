@@ -192,7 +192,8 @@ class BlockManager:
         hashes: list[BlockHash] = []
         for i in range(start, len(seq.block_hashes)):
             first = i * self.block_size
-            if self.tiers.find(seq.block_hashes[i], tuple(seq.token_ids[first : first + self.block_size])) is None:
+            token_ids = tuple(seq.token_ids[first : first + self.block_size])
+            if self.tiers.find(seq.block_hashes[i], token_ids) is None:
                 break
             hashes.append(seq.block_hashes[i])
         if hashes and (start + len(hashes)) * self.block_size >= seq.num_tokens:
@@ -213,7 +214,7 @@ class BlockManager:
         return claims
 
     def _onboard(self, seq: Sequence, first: int, claims: list[Claim]) -> None:
-        """Copy each claim into `seq`'s fresh blocks from index `first` on and cache them (one Stored event)."""
+        """Copy each claim into `seq`'s fresh blocks from index `first` on; cache them (one Stored event)."""
         assert self.tiers is not None
         for k, claim in enumerate(claims):
             i = first + k
@@ -340,11 +341,11 @@ class BlockManager:
     def _record(self, changes: list[TierChange]) -> None:
         """Number the tiers' changes as KV events on their medium."""
         for change in changes:
+            event_id, hashes = self._take_event_id(), [change.block_hash]
             if change.stored:
-                self._events.append(BlockStored(self._take_event_id(), change.parent_hash, [change.block_hash],
-                                                medium=change.medium))
+                self._events.append(BlockStored(event_id, change.parent_hash, hashes, medium=change.medium))
             else:
-                self._events.append(BlockRemoved(self._take_event_id(), [change.block_hash], medium=change.medium))
+                self._events.append(BlockRemoved(event_id, hashes, medium=change.medium))
 
     def _emit_stored(self, parent: BlockHash | None, hashes: list[BlockHash]) -> None:
         self._events.append(BlockStored(self._take_event_id(), parent, list(hashes)))

@@ -118,7 +118,7 @@ class TierStats:
     num_onboarded: dict[str, int] = field(default_factory=lambda: {HOST: 0, DISK: 0})  # hits served per tier
     onboard_bytes: int = 0
     onboard_s: float = 0.0
-    num_offloaded: dict[str, int] = field(default_factory=lambda: {HOST: 0, DISK: 0})  # blocks stored per tier
+    num_offloaded: dict[str, int] = field(default_factory=lambda: {HOST: 0, DISK: 0})  # stored per tier
     num_dropped: int = 0  # blocks dropped from the last tier
     disk_write_bytes: int = 0
     disk_read_bytes: int = 0

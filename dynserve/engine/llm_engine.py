@@ -165,13 +165,14 @@ class LLMEngine(EngineCore):
 def _build_tiers(settings: Settings, model_id: str, kv_cache: torch.Tensor) -> KVTiers | None:
     """The host and disk tiers the settings ask for below `kv_cache` (None when both sizes are 0 or prefix
     caching is off)."""
-    policy = TierPolicy(settings.kv_host_bytes, settings.kv_disk_bytes, settings.kv_disk_dir, settings.kv_disk_write)
+    policy = TierPolicy(settings.kv_host_bytes, settings.kv_disk_bytes, settings.kv_disk_dir,
+                        settings.kv_disk_write)
     if not policy.enabled or not settings.enable_prefix_caching:
         return None
     layout = PageLayout(kv_cache.dtype, tuple(kv_cache.shape[1:]), settings.block_size, model_salt(model_id))
     tiers = KVTiers(policy, layout, kv_cache)
-    logger.info("KV tiers: %d host blocks, %d disk blocks in %s", tiers.num_host_slots, tiers.num_disk_blocks_max,
-                tiers.disk_dir)
+    logger.info("KV tiers: %d host blocks, %d disk blocks in %s", tiers.num_host_slots,
+                tiers.num_disk_blocks_max, tiers.disk_dir)
     return tiers
 
 
