@@ -97,19 +97,20 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(1024, ge=16, description="tokens computed per step at most")
     max_model_len: int | None = Field(None, ge=16, description="context limit; default: the model's")
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
-    kv_host_bytes: int = Field(0, ge=0, description="host KV tier: cached blocks evicted from the KV cache are "
-                               "kept in a host memory pool of this size (pinned on a GPU) and copied back on a "
-                               "prefix hit instead of prefilled (0: off; on a CPU the KV cache is host memory "
-                               "already, so give the memory to kv_cache_gib instead)")
-    kv_disk_bytes: int = Field(0, ge=0, description="disk KV tier: blocks leaving the host tier (or the KV cache, "
-                               "without one) are written to files under kv_disk_dir up to this total, least "
-                               "recently used dropped first (0: off)")
+    kv_host_bytes: int = Field(0, ge=0, description="host KV tier: cached blocks evicted from the KV cache "
+                               "are kept in a host memory pool of this size (pinned on a GPU) and copied back "
+                               "on a prefix hit instead of prefilled (0: off; on a CPU the KV cache is host "
+                               "memory already, so give the memory to kv_cache_gib instead)")
+    kv_disk_bytes: int = Field(0, ge=0, description="disk KV tier: blocks leaving the host tier (or the KV "
+                               "cache, without one) are written to files under kv_disk_dir up to this total, "
+                               "least recently used dropped first (0: off)")
     kv_disk_dir: str | None = Field(None, description="where the disk KV tier writes: each engine makes a "
                                     "directory of its own inside it and removes it on close; a restarted "
                                     "worker starts with an empty disk tier (default: the system temp dir)")
     kv_disk_write: Literal["background", "sync"] = Field(
-        "background", description="disk KV tier writes: 'background' (a writer thread; the engine never waits "
-        "for the disk, a block is read from memory until written) or 'sync' (written before the step goes on)")
+        "background", description="disk KV tier writes: 'background' (a writer thread; the engine never "
+        "waits for the disk, a block is read from memory until written) or 'sync' (written before the step "
+        "goes on)")
     attention_backend: Literal["auto", "torch", "triton"] = Field("auto", description="'auto': triton on GPU")
     cuda_graphs: bool = Field(True, description="on a GPU with the triton backend: replay decode steps from CUDA "
                                                 "graphs captured at start (per batch-size bucket)")
