@@ -266,6 +266,7 @@ class EngineWorker:
         if self._registration is not None:
             self._registration.cancel()
         await asyncio.to_thread(self._runner.stop)
+        self.engine.close()  # its KV tiers' writer thread and disk directory
         if self._transfer is not None:
             self._transfer.close()
         if self._metrics_server is not None:
