@@ -37,7 +37,8 @@ def test_a_prefix_runs_from_the_device_into_the_host_and_disk_tiers() -> None:
     index = TieredIndex()
     h = list(range(100, 110))
     assert index.apply("a", [BlockStored(0, None, h[:4]), BlockStored(1, h[3], h[4:6], medium=HOST),
-                             BlockStored(2, h[5], h[6:7], medium=DISK), BlockStored(3, None, h[8:], medium=HOST)])
+                             BlockStored(2, h[5], h[6:7], medium=DISK),
+                             BlockStored(3, None, h[8:], medium=HOST)])
     assert index.apply("b", [BlockStored(0, None, h[:2], medium=DISK), BlockStored(1, h[1], h[2:5])])
     overlaps, lower = index.match(h)
     assert overlaps == {"a": 7, "b": 5}  # a misses block 7 on every medium, so its blocks 8, 9 do not count
@@ -214,8 +215,9 @@ def test_vllm_cpu_offloaded_blocks_land_in_the_host_medium_and_draw_the_request(
     assert translator._ours == {}  # no medium holds a block: no translation is kept
     assert router.index.apply("v0", removals)
     assert router.index.num_worker_blocks("v0") == 0
-    assert router.index.apply("v0", translator.translate([VllmStored([b"q"], None, [1, 2, 3, 4], 4, medium="DISK")]))
-    assert router.index.worker_blocks("v0", DISK) == set(hash_blocks([1, 2, 3, 4], BLOCK_SIZE, model_salt(model)))
+    on_disk = translator.translate([VllmStored([b"q"], None, [1, 2, 3, 4], 4, medium="DISK")])
+    assert router.index.apply("v0", on_disk)
+    assert router.index.worker_blocks("v0", DISK) == set(hash_blocks([1, 2, 3, 4], BLOCK_SIZE, model_salt("m")))
 
 
 # ---- the state machine ------------------------------------------------------------------------------
@@ -294,7 +296,7 @@ class TieredIndexMachine(RuleBasedStateMachine):
     def move(self, worker: str, media: list[str], data: st.DataObject, lost: bool) -> None:
         source, target = media[0], media[1]
         held = sorted(self._caches(worker)[source])
-        moved = data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=4, unique=True)) if held else []
+        moved = data.draw(st.lists(st.sampled_from(held), max_size=4, unique=True)) if held else []
         caches = self._caches(worker)
         caches[source] -= set(moved)
         caches[target] |= set(moved)

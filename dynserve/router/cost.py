@@ -5,14 +5,14 @@ then the pick.
 
 `blocks_to_prefill` is the prompt's blocks the worker does not already hold (its prefix overlap from the
 index subtracted); `active_blocks` is the KV the worker is busy with (what the router sent and has not
-seen finish).
+seen finish). The lowest cost wins (ties: the earliest candidate); with `temperature > 0` the pick is
+sampled from a softmax over costs normalized to [0, 1], which spreads load among near-equal workers.
 
 Tiers. A prefix block held on the device saves a whole block of prefill; one held on a lower medium saves
 the prefill less the cost of bringing it back to the device, so it is credited `host_hit_weight` or
 `disk_hit_weight` of a block (`tier_credits`): the overlap subtracted above is then
 `device + host_hit_weight * host + disk_hit_weight * disk`. With no lower-medium block in any candidate's
-prefix the credit is the overlap itself and every decision is the device-only one. The lowest cost wins (ties: the earliest candidate); with `temperature > 0` the pick is
-sampled from a softmax over costs normalized to [0, 1], which spreads load among near-equal workers.
+prefix the credit is the overlap itself and every decision is the device-only one.
 
 Hot-spot guard: cache affinity can pile requests onto the worker holding a popular prefix faster than the
 load term pushes back. When the candidates' load is lopsided,
@@ -140,8 +140,8 @@ def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequ
     prompt goes to the emptiest cache, so new prefixes spread over the caches instead of filling the first
     candidate's (the role of sglang's smallest-tree pick)."""
     if lower:
-        decision = _choose(num_prompt_blocks, tier_credits(overlaps, lower, policy), candidates, active_blocks,
-                           policy, rng, cached_blocks)
+        credits = tier_credits(overlaps, lower, policy)
+        decision = _choose(num_prompt_blocks, credits, candidates, active_blocks, policy, rng, cached_blocks)
         worker_id = decision.worker_id
         decision.overlap_blocks = overlaps.get(worker_id, 0)
         by_medium = lower.get(worker_id)
@@ -154,7 +154,7 @@ def _choose(num_prompt_blocks: int, overlaps: Mapping[str, float], candidates: S
             active_blocks: Mapping[str, int], policy: RoutingPolicy, rng: random.Random | None,
             cached_blocks: Callable[[str], int] | None) -> Decision:
     """`choose` over blocks saved per worker (`overlaps`: held blocks, or tier credits); the decision's
-    `overlap_blocks` is the chosen one's entry there (a credit, which `choose` replaces by the blocks held)."""
+    `overlap_blocks` is the chosen one's entry there (a credit, which `choose` replaces by blocks held)."""
     loads = _loads(candidates, active_blocks)
     if is_hot_spot(loads, policy):
         return _least_loaded(overlaps, candidates, loads)

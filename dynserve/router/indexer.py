@@ -19,8 +19,9 @@ Events are numbered per worker. `apply` takes them in order and stops at the fir
 or a worker seen for the first time mid-stream), returning False: the caller then asks that worker for a
 snapshot (its cached hashes and the id of its last event) and calls `resync`, after which events
 continue from there. `apply` indexes device blocks; events on a lower medium keep their place in the
-numbering and go to a callback (`tiers.TieredIndex` indexes them in an index of their own). `add_blocks`/`remove_blocks` change a worker's blocks outside the numbering (the
-approximate router's memory of where it sent prompts, `router.approx`).
+numbering and go to a callback (`tiers.TieredIndex` indexes them in an index of their own).
+`add_blocks`/`remove_blocks` change a worker's blocks outside the numbering (the approximate router's
+memory of where it sent prompts, `router.approx`).
 
 Invariants, checked by `check_integrity`: every live entry of a run maps back to that run; a shared entry
 names two workers or more; each worker's count is its number of live entries; its list of runs holds every
@@ -273,8 +274,9 @@ class KVIndex:
         return overlaps
 
     def extend(self, worker_id: str, block_hashes: list[int], start: int) -> int:
-        """The end of the stretch of `block_hashes` that `worker_id` holds from `start` on: `start` when it does
-        not hold `block_hashes[start]` (the tiered index continues a prefix from one medium in the next)."""
+        """The end of the stretch of `block_hashes` that `worker_id` holds from `start` on: `start` when it
+        does not hold `block_hashes[start]` (the tiered index continues a prefix from one medium in the
+        next)."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return start

@@ -10,9 +10,9 @@
 
 Load ("active blocks") counts what this router sent and has not seen finish. `consume` resyncs a worker from
 its snapshot when its event numbers jump (the snapshot's device blocks; its lower media are dropped until
-their events come again: an undercount, never a stale hit). This module is the shell around the pure parts (`cost`,
-`indexer`, `approx`); what it measures (decision time, overlap, event lag, routed requests) goes to a
-`RouterObserver` (the gateway's Prometheus metrics), so the router itself has no metrics dependency.
+their events come again: an undercount, never a stale hit). This module is the shell around the pure parts
+(`cost`, `indexer`, `tiers`, `approx`); what it measures (decision time, overlap, event lag, routed requests)
+goes to a `RouterObserver` (the gateway's Prometheus metrics), so the router itself has no metrics dependency.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""The tiered KV index: which worker caches which block on which medium (`protocol.MEDIA`: device, host, disk),
-kept from the workers' KV events.
+"""The tiered KV index: which worker caches which block on which medium (`protocol.MEDIA`: device, host,
+disk), kept from the workers' KV events.
 
 One `KVIndex` per medium holds that medium's blocks; the device one is the index a device-only fleet had
-all along, so while no lower-medium block is known a decision costs what it did (one emptiness check more).
+all along, so while no lower-medium block is known a decision costs what it did (one flag read more).
 Each worker's events are numbered across media (one sequence per worker, as the worker sends them); the
-device index keeps that numbering and `apply` routes each `BlockStored`/`BlockRemoved` to its medium's
-index; `AllBlocksCleared` clears every medium of the worker. A block moving between media arrives as a removal from one and a store on the other; a block
-held on two media at once (an engine that copies rather than moves) is kept on both.
+device index keeps that numbering and hands the events of other media to `apply`, which routes each
+`BlockStored`/`BlockRemoved` to its medium's index; `AllBlocksCleared` clears every medium of the worker.
+A block moving between media arrives as a removal from one and a store on the other; a block held on two
+media at once (an engine that copies rather than moves) is kept on both.
 
 Matching. Block hashes are chained, so a worker holding blocks `0..k` on one medium and `k..n` on another
 holds the prompt's prefix `0..n`. `match` returns, per worker holding the prompt's first block anywhere,
@@ -46,7 +47,7 @@ _NO_LOWER: Mapping[str, tuple[int, ...]] = {}  # shared, never written: `lower` 
 class TieredIndex:
     def __init__(self, *, scan_max_workers: int = 8) -> None:
         """`scan_max_workers`: passed to each medium's `KVIndex` (a speed knob only)."""
-        self.media: dict[str, KVIndex] = {medium: KVIndex(scan_max_workers=scan_max_workers) for medium in MEDIA}
+        self.media = {medium: KVIndex(scan_max_workers=scan_max_workers) for medium in MEDIA}
         self.device = self.media[MEDIA[0]]
         self._lower = [self.media[medium] for medium in MEDIA[1:]]
         self._indexes = [self.media[medium] for medium in MEDIA]
@@ -152,7 +153,10 @@ class TieredIndex:
             depth = 0
             while depth < num_blocks:
                 for i, index in enumerate(indexes):
-                    reach = starts[i].get(worker_id, 0) if depth == 0 else index.extend(worker_id, hashes, depth)
+                    if depth:
+                        reach = index.extend(worker_id, hashes, depth)
+                    else:
+                        reach = starts[i].get(worker_id, 0)
                     if reach > depth:
                         counts[i] += reach - depth
                         depth = reach
