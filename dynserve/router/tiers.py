@@ -139,28 +139,32 @@ class TieredIndex:
         device = self.device.match(block_hashes)
         if not self._any_lower:  # no block below the device anywhere: the device's answer is the whole answer
             return device, _NO_LOWER
-        lower = self._lower
         hashes = block_hashes if isinstance(block_hashes, list) else list(block_hashes)
-        starts = [device, *(index.match(hashes) if index.num_blocks else {} for index in lower)]
+        starts = [device, *(index.match(hashes) if index.num_blocks else {} for index in self._lower)]
         holders = dict.fromkeys(device)
         for start in starts[1:]:
             holders.update(dict.fromkeys(start))
         overlaps: dict[str, int] = {}
         by_medium: dict[str, tuple[int, ...]] = {}
-        indexes, num_blocks = self._indexes, len(hashes)
+        media = list(enumerate(self._indexes))
+        num_blocks = len(hashes)
         for worker_id in holders:
-            counts = [0] * len(indexes)
-            depth = 0
+            counts = [0] * len(media)
+            ended = 0  # the medium whose stretch ended at `depth` (it does not hold the next block)
+            for i, start in enumerate(starts):  # the first stretch: the fastest medium holding block 0
+                depth = start.get(worker_id, 0)
+                if depth:
+                    counts[i] = depth
+                    ended = i
+                    break
             while depth < num_blocks:
-                for i, index in enumerate(indexes):
-                    if depth:
+                for i, index in media:
+                    if i != ended:
                         reach = index.extend(worker_id, hashes, depth)
-                    else:
-                        reach = starts[i].get(worker_id, 0)
-                    if reach > depth:
-                        counts[i] += reach - depth
-                        depth = reach
-                        break
+                        if reach > depth:
+                            counts[i] += reach - depth
+                            depth, ended = reach, i
+                            break
                 else:
                     break
             overlaps[worker_id] = depth
