@@ -18,6 +18,7 @@ from dynserve.events.vllm import VllmRemoved, VllmStored, VllmTranslator, decode
 from dynserve.hashing import hash_blocks, model_salt
 from dynserve.protocol import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from dynserve.router.cost import RoutingPolicy, choose, costs, select, tier_credits
+from dynserve.router.indexer import KVIndex
 from dynserve.router.router import Router
 from dynserve.router.tiers import TieredIndex
 
@@ -96,6 +97,13 @@ def test_a_gap_stops_apply_and_a_snapshot_restores_every_medium() -> None:
     index.remove_worker("a")
     assert index.worker_ids == [] and index.num_blocks == 0
     index.check_integrity()
+
+
+def test_a_device_index_alone_numbers_lower_medium_events_but_holds_only_device_blocks() -> None:
+    index = KVIndex()
+    assert index.apply("a", [BlockStored(0, None, [1, 2]), BlockStored(1, 2, [3], medium=HOST),
+                             BlockRemoved(2, [2], medium=DISK), BlockStored(3, 2, [4])])
+    assert index.worker_blocks("a") == {1, 2, 4} and index.last_event_id("a") == 3
 
 
 def test_events_on_a_medium_not_in_media_are_counted_not_indexed() -> None:
