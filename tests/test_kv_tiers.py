@@ -189,6 +189,33 @@ def test_corrupt_or_short_disk_file_is_detected_and_recomputed(tmp_path: Path, d
     bm.tiers.close()  # type: ignore[union-attr]
 
 
+def test_another_blocks_valid_file_in_a_blocks_place_is_refused(tmp_path: Path) -> None:
+    """The header names the block, model and layout: a well-formed file of another block is no hit."""
+    bm, kv = make_manager(str(tmp_path), num_blocks=3, block_size=2, host_blocks=0, disk_blocks=8)
+    prompt = [1, 2, 3, 4, 5]
+    run_and_free(bm, kv, prompt, "a")
+    run_and_free(bm, kv, [7, 7, 7, 7, 7], "b")
+    tiers = bm.tiers
+    assert tiers is not None and tiers.disk_dir is not None
+    first, second = (Path(tiers.disk_dir) / f"{h:016x}.kvb" for h in hash_blocks(prompt, 2, SALT))
+    first.write_bytes(second.read_bytes())
+    seq = make_seq(prompt, "a2")
+    assert bm.allocate(seq)
+    assert seq.num_computed_tokens == 0 and tiers.stats.num_corrupt_files == 1
+    tiers.close()
+
+
+def test_the_default_disk_directory_is_the_engines_own_and_goes_with_it() -> None:
+    kv = torch.zeros((2, *page_shape(2)))
+    layout = PageLayout(torch.float32, page_shape(2), 2, SALT)
+    tiers = KVTiers(TierPolicy(disk_bytes=4 * layout.file_bytes()), layout, kv)
+    assert tiers.num_disk_blocks_max == 4 and tiers.num_host_slots == 0
+    disk_dir = tiers.disk_dir
+    assert disk_dir is not None and Path(disk_dir).parent == Path(tempfile.gettempdir())
+    tiers.close()
+    assert not Path(disk_dir).exists()
+
+
 def test_onboarding_with_no_free_block_never_evicts_the_matched_prefix(tmp_path: Path) -> None:
     bm, kv = make_manager(str(tmp_path), num_blocks=3, block_size=2, host_blocks=1, disk_blocks=0)
     prompt = [1, 2, 3]
