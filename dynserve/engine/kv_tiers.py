@@ -14,12 +14,10 @@ Invariants:
   its tier (`BlockRemoved(medium)`) and the device caches it (`BlockStored(device)`).
 - An entry keeps its token ids, so a hit is confirmed token by token as on the device.
 - A host slot is free, held by one entry, or claimed (being onboarded); free + held + claimed == total.
-- The disk holds at most `kv_disk_bytes` of block files. A file is written by one writer thread from a
-  queue of writes and deletes in the order the engine made them, so a file's last operation wins; until its
-  write is done, a block is read from the bytes queued for it. Each file opens with a header (magic, format
-  version, the model salt, the hash and parent, the layout: dtype, page shape, block size) and an xxh3-64
-  checksum of its token ids and pages; a file whose header or checksum disagrees, or that is short, is
-  dropped at read (`TierStats.num_corrupt_files`) and its block is recomputed.
+- The disk holds at most `kv_disk_bytes` of block files (`kv_disk.py`: a header naming the format, model,
+  layout and block, and a checksum; written in the background by `kv_disk.DiskWriter`, in the order asked).
+  A file whose header or checksum disagrees, or that is short, is dropped at read
+  (`TierStats.num_corrupt_files`) and its block is recomputed.
 - A disk tier never outlives its engine: each engine writes into a fresh directory inside `kv_disk_dir`
   (a `dynserve-kv-*` directory under the system temp dir by default) and removes it on `close`, so a
   restarted worker starts with an empty disk tier and no stale file can be served (the router learns a
@@ -32,19 +30,16 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
-import struct
 import tempfile
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import xxhash
 
+from dynserve.engine.kv_disk import DiskWriter, PageLayout, decode_block, encode_block, pages_bytes
 from dynserve.hashing import BlockHash
 
 __all__ = ["Claim", "KVTiers", "PageLayout", "TierChange", "TierPolicy", "TierStats"]
@@ -52,12 +47,6 @@ __all__ = ["Claim", "KVTiers", "PageLayout", "TierChange", "TierPolicy", "TierSt
 logger = logging.getLogger(__name__)
 
 HOST, DISK = "host", "disk"
-_MAGIC = b"DYNKVBLK"
-_VERSION = 1
-# magic, version, model salt, block hash, parent hash, has parent, block size, num tokens, dtype, ndim, shape,
-# payload bytes, checksum
-_HEADER = struct.Struct("<8sHQQQBII16sB8IQQ")
-_ROOT = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,32 +62,6 @@ class TierPolicy:
     @property
     def enabled(self) -> bool:
         return self.host_bytes > 0 or self.disk_bytes > 0
-
-
-@dataclass(frozen=True, slots=True)
-class PageLayout:
-    """One block's pages: `page_shape` (`[num_layers, 2, block_size, num_kv_heads, head_dim]`) of `dtype`,
-    for the model whose hashes are salted with `model_salt`."""
-
-    dtype: torch.dtype
-    page_shape: tuple[int, ...]
-    block_size: int
-    model_salt: int
-
-    @property
-    def page_bytes(self) -> int:
-        num = 1
-        for dim in self.page_shape:
-            num *= dim
-        return num * torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def dtype_name(self) -> bytes:
-        return str(self.dtype).removeprefix("torch.").encode()
-
-    def file_bytes(self) -> int:
-        """A disk file's size: header, token ids, pages."""
-        return _HEADER.size + 8 * self.block_size + self.page_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +126,12 @@ class KVTiers:
         self.num_disk_blocks_max = policy.disk_bytes // layout.file_bytes()
         self._disk: OrderedDict[BlockHash, _Entry] = OrderedDict()
         self._disk_dir: str | None = None
-        self._writer: _DiskWriter | None = None
+        self._writer: DiskWriter | None = None
         if self.num_disk_blocks_max:
             parent = policy.disk_dir or tempfile.gettempdir()
             os.makedirs(parent, exist_ok=True)
             self._disk_dir = tempfile.mkdtemp(prefix="dynserve-kv-", dir=parent)
-            self._writer = _DiskWriter(self.stats, background=policy.disk_write == "background")
+            self._writer = DiskWriter(self.stats, background=policy.disk_write == "background")
 
     # ---- queries --------------------------------------------------------------------------------------
 
@@ -213,7 +176,7 @@ class KVTiers:
                 changes.append(TierChange(True, HOST, block_hash, parent_hash))
                 return changes
         if self.num_disk_blocks_max:  # no host tier, or every host slot is being onboarded
-            self._store_disk(block_hash, entry, _as_bytes(self._device_kv[block_id]), changes)
+            self._store_disk(block_hash, entry, pages_bytes(self._device_kv[block_id]), changes)
         return changes
 
     def _evict_host(self, changes: list[TierChange]) -> None:
@@ -225,7 +188,7 @@ class KVTiers:
         changes.append(TierChange(False, HOST, block_hash))
         slot, entry.slot = entry.slot, None
         if self.num_disk_blocks_max:
-            self._store_disk(block_hash, entry, _as_bytes(self._host_pool[slot]), changes)
+            self._store_disk(block_hash, entry, pages_bytes(self._host_pool[slot]), changes)
         else:
             self.stats.num_dropped += 1
         self._free_slots.append(slot)
@@ -239,7 +202,8 @@ class KVTiers:
             self.stats.num_dropped += 1
             changes.append(TierChange(False, DISK, old_hash))
         self._disk[block_hash] = entry
-        self._writer.write(self._path(block_hash), self._encode(block_hash, entry, pages))
+        self._writer.write(self._path(block_hash),
+                           encode_block(self.layout, block_hash, entry.parent_hash, entry.token_ids, pages))
         self.stats.num_offloaded[DISK] += 1
         changes.append(TierChange(True, DISK, block_hash, entry.parent_hash))
 
@@ -259,7 +223,7 @@ class KVTiers:
         path = self._path(block_hash)
         data = self._writer.read(path)
         self._writer.delete(path)
-        payload = self._decode(block_hash, entry, data)
+        payload = decode_block(self.layout, block_hash, entry.token_ids, data)
         if payload is None:
             self.stats.num_corrupt_files += 1
             logger.warning("KV disk tier: block %016x's file %s is corrupt or short; recomputing it",
@@ -329,40 +293,6 @@ class KVTiers:
         assert self._disk_dir is not None
         return os.path.join(self._disk_dir, f"{block_hash:016x}.kvb")
 
-    def _encode(self, block_hash: BlockHash, entry: _Entry, pages: bytes) -> bytes:
-        layout = self.layout
-        ids = struct.pack(f"<{len(entry.token_ids)}q", *entry.token_ids)
-        shape = list(layout.page_shape) + [0] * (8 - len(layout.page_shape))
-        checksum = xxhash.xxh3_64_intdigest(ids + pages)
-        header = _HEADER.pack(_MAGIC, _VERSION, layout.model_salt, block_hash,
-                              _ROOT if entry.parent_hash is None else entry.parent_hash,
-                              entry.parent_hash is not None, layout.block_size, len(entry.token_ids),
-                              layout.dtype_name, len(layout.page_shape), *shape, len(pages), checksum)
-        return header + ids + pages
-
-    def _decode(self, block_hash: BlockHash, entry: _Entry, data: bytes | None) -> torch.Tensor | None:
-        """The pages of a block file if its header matches this layout and block and its checksum holds."""
-        layout = self.layout
-        if data is None or len(data) < _HEADER.size:
-            return None
-        fields = _HEADER.unpack_from(data)
-        magic, version, salt, stored_hash, _parent, _has_parent, block_size, num_tokens, dtype_name, ndim = (
-            fields[:10])
-        shape, payload_bytes, checksum = fields[10:18], fields[18], fields[19]
-        expected_shape = tuple(layout.page_shape) + (0,) * (8 - len(layout.page_shape))
-        if (magic != _MAGIC or version != _VERSION or salt != layout.model_salt or stored_hash != block_hash
-                or block_size != layout.block_size or num_tokens != len(entry.token_ids)
-                or dtype_name.rstrip(b"\0") != layout.dtype_name or ndim != len(layout.page_shape)
-                or tuple(shape) != expected_shape or payload_bytes != layout.page_bytes
-                or len(data) != _HEADER.size + 8 * num_tokens + payload_bytes):
-            return None
-        body = memoryview(data)[_HEADER.size:]
-        if xxhash.xxh3_64_intdigest(body) != checksum:
-            return None
-        if struct.unpack_from(f"<{num_tokens}q", body) != entry.token_ids:
-            return None
-        return torch.frombuffer(bytearray(body[8 * num_tokens:]), dtype=torch.uint8)
-
     # ---- integrity ------------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
@@ -383,99 +313,3 @@ class KVTiers:
             assert self._disk_dir is not None
             on_disk = {name for name in os.listdir(self._disk_dir) if name.endswith(".kvb")}
             assert on_disk == {os.path.basename(self._path(h)) for h in self._disk}, "disk files != disk tier"
-
-
-def _as_bytes(pages: torch.Tensor) -> bytes:
-    return pages.detach().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-
-
-class _DiskWriter:
-    """Writes and deletes block files in the order asked, on a thread (background) or at once (sync); a file
-    whose write is queued is read from its queued bytes."""
-
-    def __init__(self, stats: TierStats, *, background: bool) -> None:
-        self._stats = stats
-        self._lock = threading.Lock()
-        self._pending: dict[str, bytes] = {}  # path -> bytes queued for it, until written or deleted
-        self._queue: queue.Queue[tuple[str, bytes | None] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        if background:
-            self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
-            self._thread.start()
-
-    def write(self, path: str, data: bytes) -> None:
-        with self._lock:
-            self._pending[path] = data
-        self._submit((path, data))
-
-    def delete(self, path: str) -> None:
-        with self._lock:
-            self._pending.pop(path, None)
-        self._submit((path, None))
-
-    def read(self, path: str) -> bytes | None:
-        """The file's bytes (one sequential read), its queued bytes if not yet written, None if absent."""
-        with self._lock:
-            data = self._pending.get(path)
-        if data is not None:
-            return data
-        try:
-            with open(path, "rb", buffering=0) as f:
-                data = f.read()
-        except OSError:
-            return None
-        self._stats.disk_read_bytes += len(data)
-        return data
-
-    def _submit(self, job: tuple[str, bytes | None]) -> None:
-        if self._thread is None:
-            self._do(job)
-        else:
-            self._queue.put(job)
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._do(job)
-            finally:
-                self._queue.task_done()
-
-    def _do(self, job: tuple[str, bytes | None]) -> None:
-        path, data = job
-        try:
-            if data is None:
-                with self._lock:
-                    if path in self._pending:
-                        return  # written again since: the newer write follows in the queue
-                if os.path.exists(path):
-                    os.unlink(path)
-                return
-            tmp = f"{path}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-            with self._lock:
-                self._stats.disk_write_bytes += len(data)
-                if self._pending.get(path) is data:
-                    del self._pending[path]
-        except OSError:
-            logger.exception("KV disk tier: writing %s failed; the block will be recomputed", path)
-            with self._lock:
-                if self._pending.get(path) is data:
-                    del self._pending[path]
-
-    def idle(self) -> bool:
-        return self._queue.unfinished_tasks == 0
-
-    def flush(self) -> None:
-        if self._thread is not None:
-            self._queue.join()
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
