@@ -237,7 +237,6 @@ def test_tier_sizes_of_zero_build_no_tiers_and_events_stay_device_events(tmp_pat
     import msgspec
 
     from dynserve.config import Settings
-    from dynserve.protocol import KVEvent
 
     settings = Settings()
     assert settings.kv_host_bytes == 0 and settings.kv_disk_bytes == 0
