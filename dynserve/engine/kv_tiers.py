@@ -19,7 +19,8 @@ Invariants:
   A file whose header or checksum disagrees, or that is short, is dropped at read
   (`TierStats.num_corrupt_files`) and its block is recomputed.
 - A disk tier never outlives its engine: each engine writes into a fresh directory inside `kv_disk_dir`
-  (a `dynserve-kv-*` directory under the system temp dir by default) and removes it on `close`, so a
+  (a `dynserve-kv-*` directory under the system temp dir by default) and removes it on `close` (or when
+  the tiers are collected, or at exit), so a
   restarted worker starts with an empty disk tier and no stale file can be served (the router learns a
   worker's blocks from its events, which a restarted worker starts afresh).
 
@@ -33,6 +34,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -132,6 +134,8 @@ class KVTiers:
             os.makedirs(parent, exist_ok=True)
             self._disk_dir = tempfile.mkdtemp(prefix="dynserve-kv-", dir=parent)
             self._writer = DiskWriter(self.stats, background=policy.disk_write == "background")
+        # removes the directory on `close`, or when the tiers are collected or the interpreter exits unclosed
+        self._finalizer = weakref.finalize(self, _remove_disk_tier, self._writer, self._disk_dir)
 
     # ---- queries --------------------------------------------------------------------------------------
 
@@ -279,12 +283,9 @@ class KVTiers:
         """Stop the writer and remove the disk tier's directory. The tiers are empty afterwards."""
         self._host.clear()
         self._disk.clear()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._disk_dir is not None:
-            shutil.rmtree(self._disk_dir, ignore_errors=True)
-            self._disk_dir = None
+        self._finalizer()
+        self._writer = None
+        self._disk_dir = None
         self.num_disk_blocks_max = 0
 
     # ---- disk files -----------------------------------------------------------------------------------
@@ -313,3 +314,10 @@ class KVTiers:
             assert self._disk_dir is not None
             on_disk = {name for name in os.listdir(self._disk_dir) if name.endswith(".kvb")}
             assert on_disk == {os.path.basename(self._path(h)) for h in self._disk}, "disk files != disk tier"
+
+
+def _remove_disk_tier(writer: DiskWriter | None, disk_dir: str | None) -> None:
+    if writer is not None:
+        writer.close()
+    if disk_dir is not None:
+        shutil.rmtree(disk_dir, ignore_errors=True)
