@@ -20,9 +20,10 @@ Invariants:
   (`TierStats.num_corrupt_files`) and its block is recomputed.
 - A disk tier never outlives its engine: each engine writes into a fresh directory inside `kv_disk_dir`
   (a `dynserve-kv-*` directory under the system temp dir by default) and removes it on `close` (or when
-  the tiers are collected, or at exit), so a
-  restarted worker starts with an empty disk tier and no stale file can be served (the router learns a
-  worker's blocks from its events, which a restarted worker starts afresh).
+  the tiers are collected, or at exit), so a restarted worker starts with an empty disk tier and no stale
+  file can be served (the router learns a worker's blocks from its events, which a restarted worker starts
+  afresh). The header and checksum would make reading a previous run's files safe; an empty start keeps
+  the router's view and the worker's cache equal without a snapshot of the lower tiers.
 
 Copies are synchronous on the caller's stream: a device -> host copy completes before the block is reused.
 """
