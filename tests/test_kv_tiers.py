@@ -41,9 +41,10 @@ def pages_of(block_hash: int, block_size: int) -> torch.Tensor:
 
 
 def make_manager(disk_dir: str, *, num_blocks: int, block_size: int, host_blocks: int, disk_blocks: int,
-                 disk_write: str = "sync") -> tuple[BlockManager, torch.Tensor]:
-    kv = torch.zeros((num_blocks, *page_shape(block_size)))
-    layout = PageLayout(torch.float32, page_shape(block_size), block_size, SALT)
+                 disk_write: str = "sync", dtype: torch.dtype = torch.float32,
+                 ) -> tuple[BlockManager, torch.Tensor]:
+    kv = torch.zeros((num_blocks, *page_shape(block_size)), dtype=dtype)
+    layout = PageLayout(dtype, page_shape(block_size), block_size, SALT)
     policy = TierPolicy(host_blocks * layout.page_bytes, disk_blocks * layout.file_bytes(), disk_dir,
                         disk_write)  # type: ignore[arg-type]
     return BlockManager(num_blocks, block_size, SALT, tiers=KVTiers(policy, layout, kv)), kv
@@ -56,7 +57,7 @@ def make_seq(token_ids: list[int], request_id: str = "r") -> Sequence:
 def assert_reads_own_prefix(bm: BlockManager, kv: torch.Tensor, seq: Sequence) -> None:
     hashes = hash_blocks(seq.token_ids, bm.block_size, SALT)
     for i in range(seq.num_computed_tokens // bm.block_size):
-        expected = pages_of(hashes[i], bm.block_size)
+        expected = pages_of(hashes[i], bm.block_size).to(kv.dtype)
         assert torch.equal(kv[seq.block_table[i]], expected), f"block {i} holds another prefix's KV"
 
 
@@ -108,12 +109,15 @@ class Replay:
 # ---- the block manager over tiers -----------------------------------------------------------------------
 
 
-def test_block_evicted_to_host_then_disk_comes_back_byte_identical(tmp_path: Path) -> None:
-    bm, kv = make_manager(str(tmp_path), num_blocks=4, block_size=2, host_blocks=2, disk_blocks=8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_block_evicted_to_host_then_disk_comes_back_byte_identical(tmp_path: Path, dtype: torch.dtype,
+                                                                   ) -> None:
+    bm, kv = make_manager(str(tmp_path), num_blocks=4, block_size=2, host_blocks=2, disk_blocks=8,
+                          dtype=dtype)
     replay = Replay()
     first = list(range(7))  # 3 full blocks
     run_and_free(bm, kv, first, "first")
-    original = {h: pages_of(h, 2) for h in hash_blocks(first, 2, SALT)}
+    original = {h: pages_of(h, 2).to(dtype) for h in hash_blocks(first, 2, SALT)}
     for n in range(3):  # other prompts push the first's blocks to host, then to disk
         run_and_free(bm, kv, [100 + 10 * n + i for i in range(7)], f"other{n}")
         bm.check_integrity()
