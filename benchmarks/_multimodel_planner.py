@@ -198,7 +198,7 @@ def summarize_planner(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wi
     summary["replicas"] = [[round(t_s, 2), targets, serving] for t_s, targets, serving in run.samples]
     summary["decisions"] = {
         name: [{k: d.get(k) for k in ("t_s", "targets", "reasons", "needs", "corrections", "predicted_rate_per_s",
-                                      "predicted_isl", "predicted_osl")}
+                                      "predicted_isl", "predicted_osl", "horizon_s")}
                for d in decisions] for name, decisions in run.decisions.items()}
     return summary
 
@@ -273,6 +273,8 @@ class TurnsPlan:
 
     shape: TurnsShape
     interval_s: float = 1.0  # the planner's decision interval
+    down_delay_s: float = 10.0  # a lower need holds this long before a pool shrinks (3 s, three intervals,
+    # took a pool down on a noisy read in the middle of its model's rise)
     window_s: float = 3.0  # its read window (2 s, with the 1 s scrape, read a busy model at under half its rate
     # in 14% of the decisions of a full run on a loaded machine)
     sizing_window_s: float = 10.0  # the static fleet carries each model's busiest window of this length
@@ -294,7 +296,8 @@ def fleet_flags(plan: TurnsPlan, links: Sequence[Path], sizing: Sizing) -> dict[
     flags = mode_flags(clock, 1.0, {"peak": sizing.static_fleet}, PROFILE)  # the planner's max: the "peak" fleet
     models = [flag for link in links for flag in ("--model", str(link))]
     return {"static": [*models, *flags["peak"][0]],
-            "planner": [*models, *flags["planner"][0], "--planner-max-total-workers", str(sizing.budget)]}
+            "planner": [*models, *flags["planner"][0], "--planner-max-total-workers", str(sizing.budget),
+                        "--planner-down-delay-s", f"{plan.down_delay_s:g}"]}
 
 
 def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir: Path,

@@ -334,7 +334,7 @@ def summarize_mode(run: ModeRun, workload: Workload, fleet: Mapping[str, int] | 
     summary["max_serving"] = {p: max((s.get(p, 0) for _, _, s in run.samples), default=0) for p in POOLS}
     summary["replicas"] = [[round(t, 2), targets, serving] for t, targets, serving in run.samples]
     summary["decisions"] = [{k: d.get(k) for k in ("t_s", "targets", "reasons", "needs", "corrections",
-                                                   "predicted_rate_per_s", "predicted_isl", "predicted_osl")}
+                                                   "predicted_rate_per_s", "predicted_isl", "predicted_osl", "horizon_s")}
                             for d in run.decisions]
     return summary
 

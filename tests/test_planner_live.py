@@ -8,6 +8,7 @@ in tests/test_planner_core.py; the readers' queries and the series here, without
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import sys
 import threading
@@ -26,7 +27,8 @@ from dynserve.model.resolve import default_model_path
 from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
 from dynserve.planner.core import PlannerConfig, PlannerCore
-from dynserve.planner.live import FleetPlannerMetrics, PlannerMetrics, PoolActuator, PrometheusReader
+from dynserve.planner.live import (ArrivalRate, FleetPlannerMetrics, PlannerMetrics, PoolActuator,
+                                   PrometheusReader)
 
 DYNCTL = str(Path(sys.executable).with_name("dynctl"))
 MODEL = "SmolLM2-135M-Instruct"
@@ -244,3 +246,16 @@ def test_a_manual_override_holds_until_released(fleet: str, prometheus_url: list
         assert (f'dynserve_planner_decisions_total{{model="{MODEL}",pool="both",reason="override"}} 1.0'
                 in metrics)
         assert http.put(f"{fleet}/planner/pools/both?model=nope", json={"workers": 1}).status_code == 404
+
+
+def test_the_arrival_rate_counts_the_last_window_exactly() -> None:
+    count = [0]
+    rate = ArrivalRate(lambda: count[0], window_s=3.0)
+    assert math.isnan(rate.read(0.0))  # one sample: no rate yet
+    count[0] = 2
+    assert rate.read(1.0) == pytest.approx(2.0)  # the oldest sample while none is a window old
+    for now_s, total in ((2.0, 4), (3.0, 10), (4.0, 19)):
+        count[0] = total
+        last = rate.read(now_s)
+    assert last == pytest.approx((19 - 2) / 3.0)  # since the sample at 1.0, exactly the window before 4.0
+    assert rate.read(4.5) == pytest.approx((19 - 2) / 3.5)  # no sample at 1.5: the newest older one, 1.0

@@ -29,7 +29,8 @@ from dynserve.errors import InvalidRequestError
 from dynserve.gateway.errors import ApiError
 from dynserve.observability.promql import PrometheusClient
 from dynserve.planner.core import PlannerConfig, PlannerCore, SharedBudget
-from dynserve.planner.live import FleetPlannerMetrics, PlannerLoop, PlannerMetrics, PoolActuator, PrometheusReader
+from dynserve.planner.live import (ArrivalRate, FleetPlannerMetrics, PlannerLoop, PlannerMetrics, PoolActuator,
+                                   PrometheusReader)
 
 __all__ = ["ModelPlanner", "Planning", "planner_config", "planner_settings"]
 
@@ -167,9 +168,12 @@ class Planning:
         for planner in self.models.values():
             reader = PrometheusReader(self._client, planner.core.pools, window_s=self.settings.planner_window_s,
                                       statistic=statistic, model=planner.model_id if several else None)
+            model_id = planner.model_id
             planner.loop = PlannerLoop(
                 planner.core, reader, planner.actuator, metrics=planner.metrics, serving=planner.actuator.serving,
-                waiting_for_worker=lambda m=planner.model_id: self._gateway.waiting_for_worker_by_model.get(m, 0))
+                waiting_for_worker=lambda m=model_id: self._gateway.waiting_for_worker_by_model.get(m, 0),
+                arrivals=ArrivalRate(lambda m=model_id: self._gateway.admitted_by_model.get(m, 0),
+                                     self.settings.planner_window_s))
             planner.task = asyncio.get_running_loop().create_task(planner.loop.run(),
                                                                   name=f"planner-{planner.model_id}")
         budget = "" if self.budget is None else f", sharing a budget of {self.budget.total} workers"

@@ -167,6 +167,7 @@ class _Run:
         state.num_inflight += 1
         state.metrics.inflight.inc()
         state.metrics.child(state.metrics.admitted, _ENDPOINTS[kind], served.model_id).inc()
+        state.admitted_by_model[served.model_id] = state.admitted_by_model.get(served.model_id, 0) + 1
         limit_s = state.settings.max_generation_s
         if body.max_generation_s is not None:
             limit_s = min(limit_s, body.max_generation_s)

@@ -52,6 +52,8 @@ class GatewayState:
     # a planner's wake-up
     on_waiting_for_worker: Callable[[str], None] | None = None
     waiting_for_worker_by_model: dict[str, int] = field(default_factory=dict)
+    # requests admitted per model since the start: a planner's arrival count, fresher than a scraped rate
+    admitted_by_model: dict[str, int] = field(default_factory=dict)
     admission: Admission | None = None  # with Settings.admission_ttft_ms: the TTFT-keeping admission limit
     models: dict[str, ServedModel] = field(init=False)  # by id, the default first
     names: dict[str, ServedModel] = field(init=False)  # by every name a client may send: ids and aliases

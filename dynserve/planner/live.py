@@ -13,6 +13,8 @@
 - `PlannerMetrics`: the planner's own `dynserve_planner_*` series (decided and serving workers per pool,
   predicted load, observed against target TTFT and ITL, needs and corrections, decisions by reason), labelled
   with the model; `FleetPlannerMetrics` merges the models' into one collector.
+- `ArrivalRate`: the rate of the gateway's own count of a model's admitted requests over the read window, which
+  the loop reads in place of the scraped rate where the planner runs in the gateway (`dynctl serve`).
 - `PlannerLoop`: every `interval_s` (and at once when `wake` is called: a request is waiting for a fleet at
   zero) read, decide, act, record. A failed read skips the interval (the fleet keeps its size); a failed
   scaling is logged and retried by the next decision.
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -34,7 +37,8 @@ from dynserve.errors import PrometheusError
 from dynserve.observability.promql import PrometheusClient
 from dynserve.planner.core import Decision, Observation, PlannerCore, PoolObservation
 
-__all__ = ["Actuator", "FleetPlannerMetrics", "PlannerLoop", "PlannerMetrics", "PoolActuator", "PrometheusReader"]
+__all__ = ["Actuator", "ArrivalRate", "FleetPlannerMetrics", "PlannerLoop", "PlannerMetrics", "PoolActuator",
+           "PrometheusReader"]
 
 logger = logging.getLogger(__name__)
 
@@ -251,17 +255,42 @@ class FleetPlannerMetrics:
         yield from families.values()
 
 
+class ArrivalRate:
+    """The rate of a count of arrivals (`count`: requests admitted so far) over the last `window_s`, from the
+    samples taken at each read: exact, where a scraped rate over a window of a few scrapes reads a rise late
+    and, when a scrape is late or missed, reads a busy model at a fraction of its rate."""
+
+    def __init__(self, count: Callable[[], int], window_s: float) -> None:
+        self.count, self.window_s = count, window_s
+        self._samples: collections.deque[tuple[float, int]] = collections.deque()
+
+    def read(self, now_s: float) -> float:
+        """Arrivals per second since the newest sample at least `window_s` old (the oldest one while none is);
+        NaN at the first read."""
+        count = self.count()
+        samples = self._samples
+        while len(samples) > 1 and samples[1][0] <= now_s - self.window_s:
+            samples.popleft()
+        rate = math.nan
+        if samples and now_s > samples[0][0]:
+            rate = (count - samples[0][1]) / (now_s - samples[0][0])
+        samples.append((now_s, count))
+        return rate
+
+
 class PlannerLoop:
     """Runs the core every `interval_s` against the live fleet (see the module doc)."""
 
     def __init__(self, core: PlannerCore, reader: PrometheusReader, actuator: PoolActuator | Actuator, *,
                  metrics: PlannerMetrics | None = None, clock: Callable[[], float] = time.monotonic,
                  serving: Callable[[], Mapping[str, int]] | None = None,
-                 waiting_for_worker: Callable[[], int] | None = None) -> None:
+                 waiting_for_worker: Callable[[], int] | None = None,
+                 arrivals: ArrivalRate | None = None) -> None:
         """`serving`: each pool's serving workers now (default: the actuator's counts, as if all served);
-        `waiting_for_worker`: the requests the gateway holds now for a worker (fresher than Prometheus's)."""
+        `waiting_for_worker`: the requests the gateway holds now for a worker (fresher than Prometheus's);
+        `arrivals`: the gateway's own count of admitted requests, whose rate replaces the scraped one."""
         self.core, self.reader, self.actuator, self.metrics, self.clock = core, reader, actuator, metrics, clock
-        self._serving, self._waiting_for_worker = serving, waiting_for_worker
+        self._serving, self._waiting_for_worker, self._arrivals = serving, waiting_for_worker, arrivals
         self._wake = asyncio.Event()
         self._scaling: dict[str, asyncio.Task[None]] = {}
         self.decisions: list[Decision] = []  # the last 1000, oldest first
@@ -304,12 +333,16 @@ class PlannerLoop:
                 logger.warning("planner: cannot read the fleet's metrics (%s); keeping the pools as they are", exc)
                 return None
             observation = Observation(now_s, {p: PoolObservation(current.get(p, 0)) for p in self.core.pools})
+        rate = observation.request_rate_per_s
+        if self._arrivals is not None:
+            counted = self._arrivals.read(now_s)
+            rate = counted if math.isfinite(counted) else rate
         serving = self._serving() if self._serving is not None else current
         pools = {p: PoolObservation(serving.get(p, o.num_workers), o.ttft_s, o.itl_s, o.num_waiting, o.num_running,
                                     num_starting=max(0, current.get(p, 0) - serving.get(p, 0)))
                  for p, o in observation.pools.items()}
-        observation = Observation(observation.now_s, pools, observation.request_rate_per_s, observation.mean_isl,
-                                  observation.mean_osl, max(observation.num_waiting_for_worker, waiting))
+        observation = Observation(observation.now_s, pools, rate, observation.mean_isl, observation.mean_osl,
+                                  max(observation.num_waiting_for_worker, waiting))
         decision = self.core.decide(observation)
         changed = {p: n for p, n in decision.targets.items() if current.get(p) != n}
         for pool, count in changed.items():
