@@ -230,6 +230,14 @@ class Settings(BaseSettings):
     router_hot_spot_min_blocks: int = Field(
         1024, ge=0, description="kv/approximate router: no hot spot while the busiest candidate has fewer "
         "active blocks than this", json_schema_extra=_CLUSTER)
+    # Estimates until benchmarks.tiers measures them: on a GPU a block copied back from host memory costs about
+    # a tenth of prefilling it, one read from NVMe about two thirds.
+    router_host_hit_weight: float = Field(
+        0.9, ge=0, le=1, description="kv router: a prompt block a worker holds in its host KV tier counts as "
+        "this fraction of a device-tier hit", json_schema_extra=_CLUSTER)
+    router_disk_hit_weight: float = Field(
+        0.5, ge=0, le=1, description="kv router: a prompt block a worker holds in its disk KV tier counts as "
+        "this fraction of a device-tier hit", json_schema_extra=_CLUSTER)
     router_approx_ttl_s: float = Field(
         120.0, gt=0, description="approximate router: forget a prompt's blocks this long after it last "
         "routed them", json_schema_extra=_CLUSTER)

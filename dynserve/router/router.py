@@ -97,7 +97,9 @@ class Router:
                    hot_spot_ratio=settings.router_hot_spot_ratio,
                    hot_spot_min_blocks=settings.router_hot_spot_min_blocks,
                    approx_ttl_s=settings.router_approx_ttl_s,
-                   approx_max_blocks=settings.router_approx_max_blocks)
+                   approx_max_blocks=settings.router_approx_max_blocks,
+                   host_hit_weight=settings.router_host_hit_weight,
+                   disk_hit_weight=settings.router_disk_hit_weight)
 
     # ---- decisions -------------------------------------------------------------------------------------
 
