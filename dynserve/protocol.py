@@ -235,11 +235,14 @@ class WorkerLoad(msgspec.Struct, tag="load", kw_only=True):
 
 
 class KVSnapshot(msgspec.Struct, tag="kv_snapshot", kw_only=True):
-    """Every block hash a worker caches, and the id of the last KV event the set reflects."""
+    """Every block hash a worker caches, and the id of the last KV event the set reflects: `block_hashes` on
+    the device, `lower_block_hashes` per lower medium of `MEDIA` ("host", "disk") that holds any (empty: a
+    worker without KV tiers, or one older than the field; a medium absent holds none)."""
 
     worker_id: str
     block_hashes: list[int]
     last_event_id: int | None
+    lower_block_hashes: dict[str, list[int]] = msgspec.field(default_factory=dict)
 
 
 WorkerFrame = DeltaBatch | RequestError | WorkerLoad | KVSnapshot

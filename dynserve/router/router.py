@@ -9,7 +9,8 @@
 - `round_robin`, `random`, `least_loaded` (fewest active blocks): baselines that ignore the cache.
 
 Load ("active blocks") counts what this router sent and has not seen finish. `consume` resyncs a worker from
-its snapshot when its event numbers jump (the snapshot's device blocks; its lower media are dropped until
+its snapshot when its event numbers jump: its device blocks and, where the snapshot carries them, its host
+and disk blocks (`KVSnapshot.lower_block_hashes`; a worker that sends none has its lower media dropped until
 their events come again: an undercount, never a stale hit). This module is the shell around the pure parts
 (`cost`, `indexer`, `tiers`, `approx`); what it measures (decision time, overlap, event lag, routed requests)
 goes to a `RouterObserver` (the gateway's Prometheus metrics), so the router itself has no metrics dependency.
@@ -212,5 +213,11 @@ class Router:
                            batch.worker_id, exc)
             self.index.remove_worker(batch.worker_id)
             return
-        self.index.resync(batch.worker_id, state.block_hashes, state.last_event_id)
+        if isinstance(self.index, TieredIndex):
+            # a medium this router does not know (a newer worker's) is left out: an undercount, not a stale hit
+            lower = {medium: hashes for medium, hashes in state.lower_block_hashes.items()
+                     if medium in MEDIA[1:]}
+            self.index.resync(batch.worker_id, state.block_hashes, state.last_event_id, lower=lower)
+        else:
+            self.index.resync(batch.worker_id, state.block_hashes, state.last_event_id)
         self.index.apply(batch.worker_id, batch.events)  # what is newer than the snapshot

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import os
 import sys
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
@@ -40,6 +40,7 @@ from dynserve.errors import ChannelError
 from dynserve.framing import accept_hello, encode_frame, keep_alive, read_frame
 from dynserve.model.resolve import resolve_model_path
 from dynserve.protocol import (
+    MEDIA,
     AbortRequest,
     ClientFrame,
     DeltaBatch,
@@ -59,7 +60,11 @@ from dynserve.workers.channel import FrameWriter
 from dynserve.workers.registration import Registration
 from dynserve.workers.transfer import WorkerTransfer
 
-__all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "launch_mocker", "launch_worker", "reserved_cpus"]
+if TYPE_CHECKING:
+    from dynserve.engine.block_manager import BlockManager
+
+__all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "kv_snapshot_of", "launch_mocker", "launch_worker",
+           "reserved_cpus"]
 
 logger = logging.getLogger(__name__)
 
@@ -202,16 +207,20 @@ class EngineWorker:
             self._registration.queue_kv_events(events)
 
     async def _send_snapshot(self, sink: _ConnectionSink) -> None:
-        hashes, last_event_id = await self.kv_snapshot()
-        sink.write(KVSnapshot(worker_id=self.worker_id, block_hashes=hashes, last_event_id=last_event_id))
+        sink.write(await self.kv_state())
 
-    async def kv_snapshot(self) -> tuple[list[int], int | None]:
-        """(every cached block hash, the id of the last KV event they reflect), taken between steps."""
-        def take(engine: Any) -> tuple[list[int], int | None]:
-            blocks = engine.block_manager
-            return blocks.cached_block_hashes(), blocks.last_event_id
+    async def kv_state(self) -> KVSnapshot:
+        """Every cached block hash, per medium (the KV tiers' blocks under `lower_block_hashes`), and the id
+        of the last KV event they reflect: one consistent snapshot, taken between steps."""
+        def take(engine: Any) -> KVSnapshot:
+            return kv_snapshot_of(self.worker_id, engine.block_manager)
 
         return await asyncio.wrap_future(self._runner.call(take))  # type: ignore[arg-type]
+
+    async def kv_snapshot(self) -> tuple[list[int], int | None]:
+        """(every block hash cached on the device, the id of the last KV event they reflect)."""
+        state = await self.kv_state()
+        return state.block_hashes, state.last_event_id
 
     def load(self) -> WorkerLoad:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
@@ -313,6 +322,15 @@ class EngineWorker:
             for request_id in list(sink.open_request_ids):  # the client is gone: free what it left running
                 self.abort(request_id)
             await sink.close()
+
+
+def kv_snapshot_of(worker_id: str, block_manager: BlockManager) -> KVSnapshot:
+    """`block_manager`'s cached hashes as the snapshot a router resyncs from: the device's in `block_hashes`,
+    each KV tier's that holds any in `lower_block_hashes`. Call it between steps (on the engine's thread)."""
+    by_medium = block_manager.cached_block_hashes_by_medium()
+    device = by_medium.pop(MEDIA[0])
+    return KVSnapshot(worker_id=worker_id, block_hashes=device, last_event_id=block_manager.last_event_id,
+                      lower_block_hashes={medium: hashes for medium, hashes in by_medium.items() if hashes})
 
 
 def _undo_ray_niceness() -> None:

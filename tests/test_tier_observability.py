@@ -1,0 +1,117 @@
+"""What the KV tiers show outside the engine: a worker's snapshot carries its host and disk blocks and a
+router resyncing from it after a gap keeps them; a worker's `/metrics` series per tier; the gateway's
+per-medium router series. A small real block manager over real `KVTiers` (tiny CPU pages, a temporary disk
+directory), a real `Router` and the in-process event plane; no model, no fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from dynserve.engine.block_manager import BlockManager
+from dynserve.engine.kv_tiers import KVTiers, PageLayout, TierPolicy
+from dynserve.engine.sequence import Sequence
+from dynserve.events.memory import MemoryEventPlane
+from dynserve.protocol import MEDIA, KVSnapshot, SamplingParams, WorkerFrame
+from dynserve.router.router import Router
+from dynserve.workers.worker import kv_snapshot_of
+
+SALT, BLOCK_SIZE = 7, 2
+PAGE_SHAPE = (1, 2, BLOCK_SIZE, 1, 2)  # layers, K/V, block size, kv heads, head dim
+
+
+def tiered_manager(disk_dir: Path, *, num_blocks: int = 4, host_blocks: int = 2,
+                   disk_blocks: int = 8) -> BlockManager:
+    kv = torch.zeros((num_blocks, *PAGE_SHAPE))
+    layout = PageLayout(torch.float32, PAGE_SHAPE, BLOCK_SIZE, SALT)
+    policy = TierPolicy(host_blocks * layout.page_bytes, disk_blocks * layout.file_bytes(), str(disk_dir),
+                        "sync")
+    return BlockManager(num_blocks, BLOCK_SIZE, SALT, tiers=KVTiers(policy, layout, kv))
+
+
+def serve(manager: BlockManager, token_ids: list[int], request_id: str) -> None:
+    """Admit a prompt, compute it whole, cache its full blocks and free it (the engine's steps, no model)."""
+    seq = Sequence(request_id, list(token_ids), SamplingParams(max_tokens=1))
+    assert manager.allocate(seq)
+    seq.num_computed_tokens = seq.num_tokens
+    manager.register_computed_blocks(seq)
+    manager.free(seq)
+
+
+def prompt(n: int) -> list[int]:
+    return [1000 * (n + 1) + i for i in range(7)]  # 3 full blocks of its own
+
+
+def held_by_medium(manager: BlockManager) -> dict[str, set[int]]:
+    snapshot = manager.cached_block_hashes_by_medium()
+    return {medium: set(snapshot.get(medium, [])) for medium in MEDIA}
+
+
+# ---- snapshots carry the lower tiers ---------------------------------------------------------------------
+
+
+def test_a_snapshot_carries_each_tiers_blocks_over_the_wire(tmp_path: Path) -> None:
+    manager = tiered_manager(tmp_path)
+    for n in range(4):  # later prompts push earlier ones down to host, then to disk
+        serve(manager, prompt(n), f"r{n}")
+    held = held_by_medium(manager)
+    assert all(held.values()), held  # something on every medium
+    frame = msgspec.msgpack.decode(msgspec.msgpack.encode(kv_snapshot_of("w0", manager)), type=WorkerFrame)
+    assert isinstance(frame, KVSnapshot)
+    assert frame.last_event_id == manager.last_event_id
+    assert set(frame.block_hashes) == held["device"]
+    assert {medium: set(hashes) for medium, hashes in frame.lower_block_hashes.items()} == {
+        "host": held["host"], "disk": held["disk"]}
+
+
+def test_a_snapshot_from_a_worker_without_the_field_decodes_with_no_lower_blocks() -> None:
+    class OlderSnapshot(msgspec.Struct, tag="kv_snapshot", kw_only=True):
+        worker_id: str
+        block_hashes: list[int]
+        last_event_id: int | None
+
+    frame = msgspec.msgpack.decode(msgspec.msgpack.encode(OlderSnapshot(worker_id="w0", block_hashes=[1, 2],
+                                                                        last_event_id=5)), type=WorkerFrame)
+    assert frame == KVSnapshot(worker_id="w0", block_hashes=[1, 2], last_event_id=5)
+    assert frame.lower_block_hashes == {}
+
+
+def test_a_router_resyncing_after_a_gap_keeps_the_workers_host_and_disk_blocks(tmp_path: Path) -> None:
+    manager = tiered_manager(tmp_path)
+    snapshots: list[KVSnapshot] = []
+
+    async def snapshot(worker_id: str) -> KVSnapshot:
+        wire = msgspec.msgpack.encode(kv_snapshot_of(worker_id, manager))  # as the channel carries it
+        snapshots.append(msgspec.msgpack.decode(wire, type=WorkerFrame))  # type: ignore[arg-type]
+        return snapshots[-1]
+
+    async def scenario() -> Router:
+        plane, router = MemoryEventPlane(), Router("kv", block_size=BLOCK_SIZE, salt=SALT)
+        serve(manager, prompt(0), "r0")
+        await plane.publish("w0", manager.drain_events())
+        for n in range(1, 4):
+            serve(manager, prompt(n), f"r{n}")
+        manager.drain_events()  # lost on the way: the router sees a gap at the next batch
+        serve(manager, prompt(4), "r4")
+        await plane.publish("w0", manager.drain_events())
+        consuming = asyncio.create_task(router.consume(plane, snapshot))
+        deadline_s = time.monotonic() + 10
+        while router.index.last_event_id("w0") != manager.last_event_id:
+            assert time.monotonic() < deadline_s, "the router did not catch up"
+            await asyncio.sleep(0.01)
+        consuming.cancel()
+        return router
+
+    router = asyncio.run(scenario())
+    assert len(snapshots) == 1  # one gap, one resync
+    held = held_by_medium(manager)
+    assert held["host"] and held["disk"]
+    index = router.index
+    assert {medium: index.worker_blocks("w0", medium) for medium in MEDIA} == held  # type: ignore[call-arg]
+    assert router.index_blocks_by_medium() == {medium: len(hashes) for medium, hashes in held.items()}
+    index.check_integrity()
