@@ -7,11 +7,14 @@ directory), a real `Router` and the in-process event plane; no model, no fleet.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from pathlib import Path
 
 import msgspec
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
 
 from dynserve.engine.block_manager import BlockManager
 from dynserve.engine.kv_tiers import KVTiers, PageLayout, TierPolicy
@@ -19,6 +22,7 @@ from dynserve.engine.sequence import Sequence
 from dynserve.events.memory import MemoryEventPlane
 from dynserve.protocol import MEDIA, KVSnapshot, SamplingParams, WorkerFrame
 from dynserve.router.router import Router
+from dynserve.workers.metrics import tier_families
 from dynserve.workers.worker import kv_snapshot_of
 
 SALT, BLOCK_SIZE = 7, 2
@@ -115,3 +119,61 @@ def test_a_router_resyncing_after_a_gap_keeps_the_workers_host_and_disk_blocks(t
     assert {medium: index.worker_blocks("w0", medium) for medium in MEDIA} == held  # type: ignore[call-arg]
     assert router.index_blocks_by_medium() == {medium: len(hashes) for medium, hashes in held.items()}
     index.check_integrity()
+
+
+# ---- a worker's tier series ---------------------------------------------------------------------------------
+
+LABELS = ["w0", "decode", "m"]
+
+
+def exposition(families: list[Metric]) -> str:
+    class One:
+        def collect(self) -> list[Metric]:
+            return families
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(One())
+    return generate_latest(registry).decode()
+
+
+def samples_of(families: list[Metric]) -> dict[tuple[str, str | None], float]:
+    """(sample name, its medium label or None) -> value, for worker w0's samples."""
+    return {(s.name, s.labels.get("medium")): s.value for family in families for s in family.samples
+            if s.labels["worker_id"] == "w0"}
+
+
+def test_a_workers_tier_series_are_its_tiers_counts(tmp_path: Path) -> None:
+    manager = tiered_manager(tmp_path)
+    for n in range(4):
+        serve(manager, prompt(n), f"r{n}")
+    serve(manager, prompt(0), "again")  # its blocks come back from the disk tier
+    tiers = manager.tiers
+    assert tiers is not None
+    stats = tiers.stats
+    families = list(tier_families(LABELS, manager))
+    values = samples_of(families)
+    assert values[("dynserve_worker_kv_tier_blocks", "device")] == manager.num_cached_blocks
+    assert values[("dynserve_worker_kv_tier_blocks", "host")] == tiers.num_blocks("host") == 2
+    assert values[("dynserve_worker_kv_tier_blocks", "disk")] == tiers.num_blocks("disk") > 0
+    assert values[("dynserve_worker_kv_tier_blocks_capacity", "host")] == 2
+    assert values[("dynserve_worker_kv_tier_blocks_capacity", "disk")] == 8
+    assert values[("dynserve_worker_kv_tier_onboarded_blocks_total", "disk")] == stats.num_onboarded["disk"] == 3
+    assert values[("dynserve_worker_kv_tier_offloaded_blocks_total", "host")] == stats.num_offloaded["host"] > 0
+    assert values[("dynserve_worker_kv_onboard_bytes_total", None)] == stats.onboard_bytes > 0
+    assert values[("dynserve_worker_kv_onboard_seconds_total", None)] == stats.onboard_s > 0
+    assert values[("dynserve_worker_kv_disk_write_bytes_total", None)] == stats.disk_write_bytes > 0
+    assert values[("dynserve_worker_kv_disk_read_bytes_total", None)] == stats.disk_read_bytes > 0
+    assert values[("dynserve_worker_kv_disk_corrupt_files_total", None)] == 0
+    checked = subprocess.run(["promtool", "check", "metrics"], input=exposition(families), capture_output=True,
+                             text=True, timeout=30)
+    assert checked.returncode == 0 and not (checked.stdout + checked.stderr).strip(), checked
+
+
+def test_a_worker_without_tiers_exports_the_same_series_at_zero_below_the_device() -> None:
+    manager = BlockManager(8, BLOCK_SIZE, SALT)
+    serve(manager, prompt(0), "r0")
+    values = samples_of(list(tier_families(LABELS, manager)))
+    assert values[("dynserve_worker_kv_tier_blocks", "device")] == 3
+    assert values[("dynserve_worker_kv_tier_blocks_capacity", "device")] == 8
+    below = {key: value for key, value in values.items() if key[1] != "device"}
+    assert len(below) == 14 and set(below.values()) == {0}

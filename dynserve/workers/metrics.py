@@ -9,7 +9,10 @@ happens, into `StepHistogram`s (a bucket search and two additions, no lock): per
 size, prefill and decode tokens and the inter-token latency of the step's decodes; per request the time to
 its first token. The transfer side
 counts KV reads: bytes, seconds and failures by reason (reads run on several threads: those counters take a
-lock, once a read).
+lock, once a read). The KV tiers' series (`tier_families`, labelled `medium`: blocks held and capacity per
+medium, blocks offloaded and onboarded per lower medium, onboard bytes and seconds, disk bytes written and
+read, corrupt disk files) are read at scrape time from the block manager and its `KVTiers`; a worker without
+tiers exports them too, at 0 below the device, so dashboards and rates have a series everywhere.
 
 Invariants: recording happens on one thread at a time per histogram (the engine's driver: its thread, or
 the loop for a mocker), so a histogram's buckets are never written concurrently; a scrape copies the
@@ -31,11 +34,13 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from dynserve.engine.structured import MASK_BUCKETS_S
+from dynserve.protocol import MEDIA
 
 if TYPE_CHECKING:
+    from dynserve.engine.block_manager import BlockManager
     from dynserve.engine.core import EngineCore, EngineStats
 
-__all__ = ["TRANSFER_FAILURE_REASONS", "StepHistogram", "WorkerMetrics", "serve_metrics"]
+__all__ = ["TRANSFER_FAILURE_REASONS", "StepHistogram", "WorkerMetrics", "serve_metrics", "tier_families"]
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +227,60 @@ class WorkerMetrics:
                       "the step ops in use have no kernel for them yet (e.g. the Triton ops' q/k norm; which ops: "
                       "the worker's log warns once per op)",
                       sum(eager.fallback_counts().values()) if eager is not None else 0)
+        yield from tier_families(labels, blocks)
+
+
+_LABEL_NAMES = ["worker_id", "role", "model"]
+_LOWER_MEDIA = MEDIA[1:]
+
+
+def tier_families(labels: list[str], blocks: BlockManager) -> Iterator[Metric]:
+    """The KV tiers' series of a worker labelled `labels` (worker_id, role, model), read from its block
+    manager now (safe from the scrape thread: lengths and counters, no iteration of the engine's maps). A
+    block manager without tiers yields the same series, at 0 on the lower media."""
+    tiers = blocks.tiers
+    names = [*_LABEL_NAMES, "medium"]
+    held = GaugeMetricFamily("dynserve_worker_kv_tier_blocks", "Cached KV blocks (hashed, reusable) the worker "
+                             "holds per medium: device, host and disk tiers", labels=names)
+    capacity = GaugeMetricFamily("dynserve_worker_kv_tier_blocks_capacity", "KV blocks each medium of the "
+                                 "worker can hold (host and disk: 0 without that tier)", labels=names)
+    held.add_metric([*labels, MEDIA[0]], blocks.num_cached_blocks)
+    capacity.add_metric([*labels, MEDIA[0]], blocks.num_blocks)
+    for medium in _LOWER_MEDIA:
+        held.add_metric([*labels, medium], tiers.num_blocks(medium) if tiers is not None else 0)
+        if tiers is None:
+            limit = 0
+        else:
+            limit = tiers.num_host_slots if medium == "host" else tiers.num_disk_blocks_max
+        capacity.add_metric([*labels, medium], limit)
+    yield held
+    yield capacity
+    stats = tiers.stats if tiers is not None else None  # (kv_tiers imports torch: a mocker's worker does not)
+    onboarded = dict(stats.num_onboarded) if stats is not None else {}
+    offloaded = dict(stats.num_offloaded) if stats is not None else {}
+    by_medium = (("onboarded", "Blocks found in the tier at admission and copied into the KV cache instead of "
+                  "prefilled (tier hits)", onboarded),
+                 ("offloaded", "Blocks stored into the tier (evicted from the tier above)", offloaded))
+    for kind, documentation, counts in by_medium:
+        family = CounterMetricFamily(f"dynserve_worker_kv_tier_{kind}_blocks", documentation, labels=names)
+        for medium in _LOWER_MEDIA:
+            family.add_metric([*labels, medium], counts.get(medium, 0))
+        yield family
+    for name, documentation, field in (
+            ("dynserve_worker_kv_tier_dropped_blocks", "Blocks dropped off the last KV tier", "num_dropped"),
+            ("dynserve_worker_kv_onboard_bytes", "KV bytes copied from the host and disk tiers into the KV cache",
+             "onboard_bytes"),
+            ("dynserve_worker_kv_onboard_seconds", "Time spent copying blocks from the host and disk tiers into "
+             "the KV cache", "onboard_s"),
+            ("dynserve_worker_kv_disk_write_bytes", "Bytes of block files written to the disk tier",
+             "disk_write_bytes"),
+            ("dynserve_worker_kv_disk_read_bytes", "Bytes of block files read from the disk tier",
+             "disk_read_bytes"),
+            ("dynserve_worker_kv_disk_corrupt_files", "Disk-tier block files found corrupt or short at read "
+             "(dropped; their blocks were prefilled)", "num_corrupt_files")):
+        family = CounterMetricFamily(name, documentation, labels=_LABEL_NAMES)
+        family.add_metric(labels, getattr(stats, field) if stats is not None else 0)
+        yield family
 
 
 class _Collector:
