@@ -1,6 +1,6 @@
 """What the KV tiers show outside the engine: a worker's snapshot carries its host and disk blocks and a
 router resyncing from it after a gap keeps them; a worker's `/metrics` series per tier; the gateway's
-per-medium router series. A small real block manager over real `KVTiers` (tiny CPU pages, a temporary disk
+per-medium router series (index blocks, prompt blocks hit). A small real block manager over real `KVTiers` (tiny CPU pages, a temporary disk
 directory), a real `Router` and the in-process event plane; no model, no fleet.
 """
 
@@ -20,7 +20,9 @@ from dynserve.engine.block_manager import BlockManager
 from dynserve.engine.kv_tiers import KVTiers, PageLayout, TierPolicy
 from dynserve.engine.sequence import Sequence
 from dynserve.events.memory import MemoryEventPlane
-from dynserve.protocol import MEDIA, KVSnapshot, SamplingParams, WorkerFrame
+from dynserve.gateway.metrics import GatewayMetrics
+from dynserve.hashing import hash_blocks
+from dynserve.protocol import MEDIA, BlockStored, KVSnapshot, SamplingParams, WorkerFrame
 from dynserve.router.router import Router
 from dynserve.workers.metrics import tier_families
 from dynserve.workers.worker import kv_snapshot_of
@@ -121,7 +123,7 @@ def test_a_router_resyncing_after_a_gap_keeps_the_workers_host_and_disk_blocks(t
     index.check_integrity()
 
 
-# ---- a worker's tier series ---------------------------------------------------------------------------------
+# ---- a worker's tier series ----------------------------------------------------------------------------
 
 LABELS = ["w0", "decode", "m"]
 
@@ -157,15 +159,16 @@ def test_a_workers_tier_series_are_its_tiers_counts(tmp_path: Path) -> None:
     assert values[("dynserve_worker_kv_tier_blocks", "disk")] == tiers.num_blocks("disk") > 0
     assert values[("dynserve_worker_kv_tier_blocks_capacity", "host")] == 2
     assert values[("dynserve_worker_kv_tier_blocks_capacity", "disk")] == 8
-    assert values[("dynserve_worker_kv_tier_onboarded_blocks_total", "disk")] == stats.num_onboarded["disk"] == 3
-    assert values[("dynserve_worker_kv_tier_offloaded_blocks_total", "host")] == stats.num_offloaded["host"] > 0
+    onboarded, offloaded = stats.num_onboarded, stats.num_offloaded
+    assert values[("dynserve_worker_kv_tier_onboarded_blocks_total", "disk")] == onboarded["disk"] == 3
+    assert values[("dynserve_worker_kv_tier_offloaded_blocks_total", "host")] == offloaded["host"] > 0
     assert values[("dynserve_worker_kv_onboard_bytes_total", None)] == stats.onboard_bytes > 0
     assert values[("dynserve_worker_kv_onboard_seconds_total", None)] == stats.onboard_s > 0
     assert values[("dynserve_worker_kv_disk_write_bytes_total", None)] == stats.disk_write_bytes > 0
     assert values[("dynserve_worker_kv_disk_read_bytes_total", None)] == stats.disk_read_bytes > 0
     assert values[("dynserve_worker_kv_disk_corrupt_files_total", None)] == 0
-    checked = subprocess.run(["promtool", "check", "metrics"], input=exposition(families), capture_output=True,
-                             text=True, timeout=30)
+    checked = subprocess.run(["promtool", "check", "metrics"], input=exposition(families),
+                             capture_output=True, text=True, timeout=30)
     assert checked.returncode == 0 and not (checked.stdout + checked.stderr).strip(), checked
 
 
@@ -177,3 +180,27 @@ def test_a_worker_without_tiers_exports_the_same_series_at_zero_below_the_device
     assert values[("dynserve_worker_kv_tier_blocks_capacity", "device")] == 8
     below = {key: value for key, value in values.items() if key[1] != "device"}
     assert len(below) == 14 and set(below.values()) == {0}
+
+
+# ---- the router's series per medium -------------------------------------------------------------------------
+
+
+def test_the_gateway_exports_the_routers_index_and_hits_per_medium() -> None:
+    router = Router("kv", block_size=BLOCK_SIZE, salt=SALT)
+    metrics = GatewayMetrics()
+    metrics.watch_router(router, "decode")
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, {"pool": "decode", **labels})
+
+    assert [value("dynserve_router_prompt_hit_blocks_total", medium=m) for m in MEDIA] == [0, 0, 0]
+    tokens = list(range(2 * 8))  # 8 blocks
+    h = hash_blocks(tokens, BLOCK_SIZE, SALT)
+    router.index.apply("a", [BlockStored(0, None, h[:2]), BlockStored(1, h[1], h[2:5], medium="host"),
+                             BlockStored(2, h[4], h[5:6], medium="disk")])
+    router.index.apply("b", [BlockStored(0, None, h[:3])])
+    assert [value("dynserve_router_index_tier_blocks", medium=m) for m in MEDIA] == [3, 3, 1]
+    assert router.pick(tokens, ["a"], {}) == ("a", 6)  # 2 on the device, 3 on host, 1 on disk
+    assert router.pick(tokens, ["b"], {}) == ("b", 3)  # all 3 on the device
+    assert value("dynserve_router_prompt_blocks_total") == 16
+    assert [value("dynserve_router_prompt_hit_blocks_total", medium=m) for m in MEDIA] == [5, 3, 1]

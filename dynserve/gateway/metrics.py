@@ -6,8 +6,9 @@ and fallbacks; and the gateway's channel to each worker (`dynserve_gateway_worke
 
 Router metrics (`dynserve_router_*`, labelled `pool`: the role of the workers a router picks among) come
 from each of the gateway's `Router`s through its observer hook (`watch_router`): the mode in use, the index's
-size (read at scrape time), KV event lag, decision latency (match + select), the chosen worker's overlap
-ratio, requests routed per worker, and hot-spot picks. A gateway with one worker has no router.
+size (read at scrape time; also per KV medium, label `medium`), KV event lag, decision latency (match +
+select), the chosen worker's overlap ratio, its prompt blocks held per KV medium (the router's view when it
+chose), requests routed per worker, and hot-spot picks. A gateway with one worker has no router.
 
 Names start `dynserve_`, in base units (seconds), counters end in `_total`; `promtool check metrics` is clean
 on the output (tests run it).
@@ -24,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from dynserve.gateway.backend import BackendObserver
 from dynserve.gateway.disagg import PrefillPath
-from dynserve.protocol import WorkerInfo, WorkerLoad
+from dynserve.protocol import MEDIA, WorkerInfo, WorkerLoad
 
 if TYPE_CHECKING:
     from dynserve.router.cost import Decision
@@ -139,6 +140,13 @@ class GatewayMetrics(BackendObserver):
         self.router_hot_spot = Counter(
             "dynserve_router_hot_spot_picks", "Picks made by the hot-spot guard, not by the cost", ["pool"],
             registry=registry)
+        self.router_prompt_blocks = Counter(
+            "dynserve_router_prompt_blocks", "Full prompt blocks of the requests placed by a cache-aware "
+            "router (kv, approximate)", ["pool"], registry=registry)
+        self.router_prompt_hit_blocks = Counter(
+            "dynserve_router_prompt_hit_blocks", "Prompt blocks the chosen worker held when the router chose "
+            "it, by KV medium (device, host, disk tier; the router's view)", ["pool", "medium"],
+            registry=registry)
         self._routers: dict[str, Router] = {}  # pool -> its router, for the index sizes read at scrape time
         registry.register(_RouterIndexCollector(self._routers))
         self._endpoints: dict[tuple[str, str], EndpointSeries] = {}
@@ -226,11 +234,22 @@ class RouterSeries:
         self._overlap = metrics.router_overlap_ratio.labels(pool)
         self._hot_spot = metrics.router_hot_spot.labels(pool)
         self._event_lag = metrics.router_event_lag.labels(pool)
+        self._prompt_blocks = metrics.router_prompt_blocks.labels(pool)
+        # in `MEDIA` order, as `Decision.blocks_by_medium`; exported at 0 from the start
+        self._hit_blocks = [metrics.router_prompt_hit_blocks.labels(pool, medium) for medium in MEDIA]
 
     def observe_decision(self, decision: Decision, num_prompt_blocks: int | None, decision_s: float) -> None:
         self._decision.observe(decision_s)
         if num_prompt_blocks:
             self._overlap.observe(decision.overlap_blocks / num_prompt_blocks)
+            self._prompt_blocks.inc(num_prompt_blocks)
+            if decision.blocks_by_medium is None:  # the whole overlap on the device
+                if decision.overlap_blocks:
+                    self._hit_blocks[0].inc(decision.overlap_blocks)
+            else:
+                for series, num_blocks in zip(self._hit_blocks, decision.blocks_by_medium, strict=True):
+                    if num_blocks:
+                        series.inc(num_blocks)
         if decision.hot_spot:
             self._hot_spot.inc()
 
@@ -242,7 +261,8 @@ class RouterSeries:
 
 
 class _RouterIndexCollector:
-    """The routers' index sizes, read at scrape time (an approximate router's memory forgets as time passes)."""
+    """The routers' index sizes, in all and per KV medium, read at scrape time (an approximate router's memory
+    forgets as time passes)."""
 
     def __init__(self, routers: dict[str, Router]) -> None:
         self._routers = routers
@@ -252,9 +272,15 @@ class _RouterIndexCollector:
                                    "(approximate: its memory)", labels=["pool"])
         workers = GaugeMetricFamily("dynserve_router_index_workers", "Workers holding at least one block in "
                                     "the router's index", labels=["pool"])
+        by_medium = GaugeMetricFamily("dynserve_router_index_tier_blocks", "KV blocks in the router's index "
+                                      "per medium: device, host and disk tiers (a block on two media counts "
+                                      "on each)", labels=["pool", "medium"])
         for pool, router in list(self._routers.items()):
             num_blocks, num_workers = router.index_size()
             blocks.add_metric([pool], num_blocks)
             workers.add_metric([pool], num_workers)
+            for medium, num_medium_blocks in router.index_blocks_by_medium().items():
+                by_medium.add_metric([pool, medium], num_medium_blocks)
         yield blocks
         yield workers
+        yield by_medium
