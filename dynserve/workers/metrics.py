@@ -240,8 +240,8 @@ def tier_families(labels: list[str], blocks: BlockManager) -> Iterator[Metric]:
     block manager without tiers yields the same series, at 0 on the lower media."""
     tiers = blocks.tiers
     names = [*_LABEL_NAMES, "medium"]
-    held = GaugeMetricFamily("dynserve_worker_kv_tier_blocks", "Cached KV blocks (hashed, reusable) the worker "
-                             "holds per medium: device, host and disk tiers", labels=names)
+    held = GaugeMetricFamily("dynserve_worker_kv_tier_blocks", "Cached KV blocks (hashed, reusable) the "
+                             "worker holds per medium: device, host and disk tiers", labels=names)
     capacity = GaugeMetricFamily("dynserve_worker_kv_tier_blocks_capacity", "KV blocks each medium of the "
                                  "worker can hold (host and disk: 0 without that tier)", labels=names)
     held.add_metric([*labels, MEDIA[0]], blocks.num_cached_blocks)
@@ -258,8 +258,8 @@ def tier_families(labels: list[str], blocks: BlockManager) -> Iterator[Metric]:
     stats = tiers.stats if tiers is not None else None  # (kv_tiers imports torch: a mocker's worker does not)
     onboarded = dict(stats.num_onboarded) if stats is not None else {}
     offloaded = dict(stats.num_offloaded) if stats is not None else {}
-    by_medium = (("onboarded", "Blocks found in the tier at admission and copied into the KV cache instead of "
-                  "prefilled (tier hits)", onboarded),
+    by_medium = (("onboarded", "Blocks found in the tier at admission and copied into the KV cache instead "
+                  "of prefilled (tier hits)", onboarded),
                  ("offloaded", "Blocks stored into the tier (evicted from the tier above)", offloaded))
     for kind, documentation, counts in by_medium:
         family = CounterMetricFamily(f"dynserve_worker_kv_tier_{kind}_blocks", documentation, labels=names)
@@ -268,10 +268,10 @@ def tier_families(labels: list[str], blocks: BlockManager) -> Iterator[Metric]:
         yield family
     for name, documentation, field in (
             ("dynserve_worker_kv_tier_dropped_blocks", "Blocks dropped off the last KV tier", "num_dropped"),
-            ("dynserve_worker_kv_onboard_bytes", "KV bytes copied from the host and disk tiers into the KV cache",
-             "onboard_bytes"),
-            ("dynserve_worker_kv_onboard_seconds", "Time spent copying blocks from the host and disk tiers into "
-             "the KV cache", "onboard_s"),
+            ("dynserve_worker_kv_onboard_bytes", "KV bytes copied from the host and disk tiers into the KV "
+             "cache", "onboard_bytes"),
+            ("dynserve_worker_kv_onboard_seconds", "Time spent copying blocks from the host and disk tiers "
+             "into the KV cache", "onboard_s"),
             ("dynserve_worker_kv_disk_write_bytes", "Bytes of block files written to the disk tier",
              "disk_write_bytes"),
             ("dynserve_worker_kv_disk_read_bytes", "Bytes of block files read from the disk tier",
