@@ -76,7 +76,15 @@ def run_and_free(bm: BlockManager, kv: torch.Tensor, token_ids: list[int], reque
     assert bm.allocate(seq)
     compute(bm, kv, seq)
     bm.free(seq)
+    scribble_free(bm, kv)
     return seq
+
+
+def scribble_free(bm: BlockManager, kv: torch.Tensor) -> None:
+    """A free block's pages mean nothing: scribble them, so no stale page can pass for an onboarded one."""
+    for block in bm.blocks:
+        if block.ref_count == 0 and block.block_hash is None:
+            kv[block.block_id].fill_(float("nan"))
 
 
 class Replay:
@@ -337,9 +345,7 @@ class TieredBlockManagerMachine(RuleBasedStateMachine):
         self.replay.assert_matches(self.bm)
         for seq in self.running:
             assert_reads_own_prefix(self.bm, self.kv, seq)
-        for block in self.bm.blocks:  # a free block's pages mean nothing: scribble, so no stale page passes
-            if block.ref_count == 0 and block.block_hash is None:
-                self.kv[block.block_id].fill_(float("nan"))
+        scribble_free(self.bm, self.kv)
 
 
 TieredBlockManagerMachine.TestCase.settings = settings(
