@@ -36,10 +36,12 @@ GATEWAY_COUNTERS = {
     "dynserve_requests_total", "dynserve_generated_tokens_total", "dynserve_cached_prompt_tokens_total",
     "dynserve_rejected_requests_total", "dynserve_gateway_retries_total", "dynserve_disagg_requests_total",
     "dynserve_disagg_fallbacks_total", "dynserve_router_routed_requests_total", "dynserve_router_hot_spot_picks_total",
+    "dynserve_router_prompt_blocks_total", "dynserve_router_prompt_hit_blocks_total",
 }
 GATEWAY_GAUGES = {
     "dynserve_inflight_requests", "dynserve_requests_admitted_total", "dynserve_gateway_worker_up", "dynserve_router_info",
     "dynserve_router_index_blocks", "dynserve_router_index_workers", "dynserve_gateway_waiting_for_worker_requests",
+    "dynserve_router_index_tier_blocks",
 }
 GATEWAY_HISTOGRAMS = {
     "dynserve_time_to_first_token_seconds", "dynserve_inter_token_latency_seconds",
@@ -59,10 +61,14 @@ WORKER_COUNTERS = {
     "dynserve_worker_kv_transfer_bytes_total", "dynserve_worker_kv_transfer_seconds_total",
     "dynserve_worker_kv_transfer_reads_total", "dynserve_worker_kv_transfer_failures_total",
     "dynserve_worker_engine_op_fallbacks_total",
+    "dynserve_worker_kv_tier_onboarded_blocks_total", "dynserve_worker_kv_tier_offloaded_blocks_total",
+    "dynserve_worker_kv_tier_dropped_blocks_total", "dynserve_worker_kv_onboard_bytes_total",
+    "dynserve_worker_kv_onboard_seconds_total", "dynserve_worker_kv_disk_write_bytes_total",
+    "dynserve_worker_kv_disk_read_bytes_total", "dynserve_worker_kv_disk_corrupt_files_total",
 }
 WORKER_GAUGES = {
     "dynserve_worker_waiting_requests", "dynserve_worker_running_requests", "dynserve_worker_kv_blocks_used",
-    "dynserve_worker_kv_blocks_capacity",
+    "dynserve_worker_kv_blocks_capacity", "dynserve_worker_kv_tier_blocks", "dynserve_worker_kv_tier_blocks_capacity",
 }
 WORKER_HISTOGRAMS = {
     "dynserve_worker_step_duration_seconds", "dynserve_worker_step_batch_size", "dynserve_worker_step_prefill_tokens",

@@ -1,6 +1,6 @@
 """The Grafana dashboards of a dynserve fleet, built with grafana-foundation-sdk's typed builders: overview
-(what clients see at the gateway), router (how requests are placed), workers (each engine's queue, KV cache
-and steps), disaggregation (where prompts are prefilled and how their KV travels) and planner (how many
+(what clients see at the gateway), router (how requests are placed), workers (each engine's queue, KV cache,
+KV tiers and steps), disaggregation (where prompts are prefilled and how their KV travels) and planner (how many
 workers each pool gets, and why).
 
 `deploy/grafana/<uid>.json` is this module's output (`python -m dynserve.observability.dashboards` writes it;
@@ -235,8 +235,10 @@ def _router_panels() -> list[PanelBuilder]:
         Row("KV event index"),
         _graph("KV event lag", "From a worker publishing a batch of KV events to the router applying it.", "s",
                _quantiles(lag, (0.5, 0.99), _POOL, "pool")),
-        _graph("Index size (blocks)", "Distinct KV blocks in each router's index.", "short",
-               [(_selector("dynserve_router_index_blocks", _POOL), "{{pool}}")]),
+        _graph("Index size (blocks)", "Distinct KV blocks in each router's index, and per KV medium (device, "
+               "host and disk tiers).", "short",
+               [(_selector("dynserve_router_index_blocks", _POOL), "{{pool}}"),
+                (_selector("dynserve_router_index_tier_blocks", _POOL), "{{pool}} {{medium}}")]),
         _graph("Index size (workers)", "Workers holding at least one block in each router's index.", "short",
                [(_selector("dynserve_router_index_workers", _POOL), "{{pool}}")]),
     ]
@@ -291,11 +293,59 @@ def _workers_panels() -> list[PanelBuilder]:
                "with a grammar (structured output, tools), on a thread beside the forward: tens of microseconds "
                "is the usual; no data without such requests (a mocker computes none ahead).", "s",
                _quantiles("dynserve_worker_grammar_mask_seconds", (0.5, 0.99), _WORKER, "worker_id"), width=12),
+        Row("KV tiers"),
+        *_kv_tier_panels(),
         Row("Latency per pool (measured on the workers)"),
         _graph("Time to first token by pool", "From a request's arrival at a worker to its first token.", "s",
                _quantiles("dynserve_worker_time_to_first_token_seconds", QUANTILES, _WORKER, "role"), width=12),
         _graph("Inter-token latency by pool", "Between the steps that decode a request, on its worker.", "s",
                _quantiles("dynserve_worker_inter_token_latency_seconds", QUANTILES, _WORKER, "role"), width=12),
+    ]
+
+
+def _kv_tier_panels() -> list[PanelBuilder]:
+    """The workers dashboard's KV tiers row: blocks per medium, the router's hits per medium, moves between
+    tiers, onboard time and bytes. Every worker exports the tier series (at 0 without tiers)."""
+    blocks, capacity = "dynserve_worker_kv_tier_blocks", "dynserve_worker_kv_tier_blocks_capacity"
+    onboarded = "dynserve_worker_kv_tier_onboarded_blocks_total"
+
+    def per_worker(metric: str, by: str = "worker_id") -> str:
+        return _sum_rate(metric, _WORKER, by)
+
+    def hit_share(medium: str) -> Query:
+        hits = _sum_rate("dynserve_router_prompt_hit_blocks_total", f'{_POOL}, medium="{medium}"', "pool")
+        prompt = _sum_rate("dynserve_router_prompt_blocks_total", _POOL, "pool")
+        return f"{hits} / {prompt}", f"{{{{pool}}}} {medium}"
+
+    onboard_time = f"{per_worker('dynserve_worker_kv_onboard_seconds_total')} / {per_worker(onboarded)}"
+    return [
+        _graph("KV blocks by tier", "Cached KV blocks the workers hold per medium: the device's KV cache, "
+               "the host tier and the disk tier (--kv-host-bytes, --kv-disk-bytes).", "short",
+               [(f"sum by (medium) ({_selector(blocks, _WORKER)})", "{{medium}}")]),
+        _graph("Tier fill", "Blocks held over blocks each medium can hold, all workers (no line for a tier "
+               "no worker has).", "percentunit",
+               [(f"sum by (medium) ({_selector(blocks, _WORKER)}) / sum by (medium) "
+                 f"({_selector(capacity, _WORKER)})", "{{medium}}")], ratio=True),
+        _graph("Prompt blocks hit by tier", "Prompt blocks the chosen worker held when the router placed the "
+               "request, per medium, over prompt blocks (the router's view; stacked: the whole is the chosen "
+               "worker's overlap).", "percentunit",
+               [hit_share(medium) for medium in ("device", "host", "disk")], ratio=True, stacked=True),
+        _graph("Blocks moved between tiers/s", "Blocks stored into a tier (evicted from the one above), "
+               "onboarded from a tier into the KV cache (tier hits), dropped off the last tier, and disk "
+               "files found corrupt (recomputed).", "ops",
+               [(per_worker("dynserve_worker_kv_tier_offloaded_blocks_total", "worker_id, medium"),
+                 "{{worker_id}} stored {{medium}}"),
+                (per_worker(onboarded, "worker_id, medium"), "{{worker_id}} onboarded {{medium}}"),
+                (per_worker("dynserve_worker_kv_tier_dropped_blocks_total"), "{{worker_id}} dropped"),
+                (per_worker("dynserve_worker_kv_disk_corrupt_files_total"), "{{worker_id}} corrupt files")]),
+        _graph("Onboard time per block", "Mean time to copy one block from the host or disk tier into the KV "
+               "cache (the copy only: a disk block's file is read and checked before it).", "s",
+               [(onboard_time, "{{worker_id}}")]),
+        _graph("Tier bytes/s", "Bytes onboarded into the KV cache from the tiers, and block files written to "
+               "and read from the disk tier.", "Bps",
+               [(per_worker("dynserve_worker_kv_onboard_bytes_total"), "{{worker_id}} onboarded"),
+                (per_worker("dynserve_worker_kv_disk_write_bytes_total"), "{{worker_id}} disk write"),
+                (per_worker("dynserve_worker_kv_disk_read_bytes_total"), "{{worker_id}} disk read")]),
     ]
 
 
@@ -443,8 +493,8 @@ def router() -> dict[str, Any]:
 
 
 def workers() -> dict[str, Any]:
-    return _build("dynserve-workers", "dynserve / Workers", "Each worker's queue, KV cache and engine steps, and "
-                  "per-pool latency.", _workers_panels())
+    return _build("dynserve-workers", "dynserve / Workers", "Each worker's queue, KV cache and engine steps, "
+                  "its KV tiers, and per-pool latency.", _workers_panels())
 
 
 def disaggregation() -> dict[str, Any]:
