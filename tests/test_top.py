@@ -6,6 +6,7 @@ JSON, not a Prometheus): the fleet tests run `dynctl top --once` against a real 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -198,6 +199,11 @@ def _fleet_answers() -> dict[str, Series]:
         "dynserve:time_to_first_token_seconds:p50": [({}, 0.25)],
         "dynserve:inter_token_latency_seconds:p99": [({}, math.inf)],
         "dynserve:generated_tokens:rate1m": [({}, 300.0)],
+        # decode-2 has KV tiers
+        **{f'dynserve_worker_kv_tier_blocks{{medium="{medium}"}}': [({**d2_raw, "medium": medium}, value)]
+           for medium, value in (("device", 64), ("host", 16), ("disk", 256))},
+        'sum by (worker_id, role, model) (dynserve_worker_kv_tier_blocks_capacity{medium!="device"})': [
+            (d2, 4096)],
     }
 
 
@@ -211,6 +217,8 @@ def test_fetch_view_builds_workers_with_their_health_from_the_targets() -> None:
     decode_2, decode_10, prefill_1, unknown_target = view.workers
     assert (decode_2.num_waiting, decode_2.num_running, decode_2.kv_usage_ratio) == (4, 6, 0.75)
     assert decode_2.generated_tokens_per_s == 300.0 and math.isnan(decode_2.step_mean_s)
+    assert (decode_2.kv_device_blocks, decode_2.kv_host_blocks, decode_2.kv_disk_blocks) == (64, 16, 256)
+    assert decode_2.has_lower_tiers and not prefill_1.has_lower_tiers
     assert decode_2.instance == "127.0.0.1:9102" and decode_2.model == "SmolLM2-135M"
     assert decode_10.instance == "127.0.0.1:9103" and math.isnan(decode_10.kv_usage_ratio)
     assert prefill_1.step_mean_s == 0.2
@@ -333,3 +341,21 @@ def test_live_json_prints_one_view_per_frame() -> None:
     lines = out.getvalue().splitlines()
     assert code == 0 and len(lines) == 2
     assert all(json.loads(line)["fleet"]["request_rate_per_s"] == 10.0 for line in lines)
+
+
+# ---- KV tiers --------------------------------------------------------------------------------------------
+
+
+def test_a_column_shows_each_workers_kv_blocks_per_tier_when_any_worker_has_tiers() -> None:
+    view = _view()
+    tiered = dataclasses.replace(view.workers[0], kv_device_blocks=120, kv_host_blocks=40, kv_disk_blocks=300,
+                                 kv_lower_capacity_blocks=2048)
+    untiered = dataclasses.replace(view.workers[2], kv_device_blocks=7, kv_host_blocks=0, kv_disk_blocks=0,
+                                   kv_lower_capacity_blocks=0)
+    text = _text(render(dataclasses.replace(view, workers=(tiered, view.workers[1], untiered))))
+    assert "dev/host/disk" in text
+    assert _row(text, "decode-2")[3:7] == ["3", "5", "50.0%", "120/40/300"]
+    assert _row(text, "decode-10")[6] == "-/-/-"  # a down worker: no numbers
+    assert _row(text, "prefill-1")[6] == "7/0/0"
+    assert "dev/host/disk" not in _text(render(view))  # no worker with tiers: no column
+

@@ -6,7 +6,8 @@ Three parts, kept apart so each is testable alone:
   one `WorkerView` per worker;
 - the query layer, `fetch_view(client)`: a few instant queries, of the recording rules of
   `dynserve/observability/rules.py` where one exists and of the workers' raw gauges where none does;
-- the rendering, `render(view)`: a pure function of a view to a rich renderable.
+- the rendering, `render(view)`: a pure function of a view to a rich renderable (the workers' table gains a
+  column of cached KV blocks per medium, device/host/disk, when any worker has KV tiers).
 
 `top(...)` is the shell: one frame (`--once`: a table, or the view as JSON) or a `rich.live.Live` loop that
 redraws every `interval_s` until Ctrl-C, showing Prometheus's errors in the frame and retrying.
@@ -66,6 +67,16 @@ class WorkerView:
     kv_usage_ratio: float = NAN
     generated_tokens_per_s: float = NAN
     step_mean_s: float = NAN
+    # cached KV blocks per medium (`dynserve_worker_kv_tier_blocks`), and the blocks its host and disk tiers
+    # can hold together (0: no tiers)
+    kv_device_blocks: float = NAN
+    kv_host_blocks: float = NAN
+    kv_disk_blocks: float = NAN
+    kv_lower_capacity_blocks: float = NAN
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self.kv_lower_capacity_blocks > 0  # False for NaN
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +137,10 @@ WORKER_QUERIES: dict[str, str] = {
     "kv_usage_ratio": "worker:dynserve_worker_kv_usage:ratio",
     "generated_tokens_per_s": "worker:dynserve_worker_generated_tokens:rate1m",
     "step_mean_s": "worker:dynserve_worker_step_duration_seconds:mean1m",
+    **{f"kv_{medium}_blocks": f'dynserve_worker_kv_tier_blocks{{medium="{medium}"}}'
+       for medium in ("device", "host", "disk")},
+    "kv_lower_capacity_blocks": 'sum by (worker_id, role, model) '
+                                '(dynserve_worker_kv_tier_blocks_capacity{medium!="device"})',
 }
 # PoolView field -> expression; each series labelled role
 POOL_QUERIES: dict[str, str] = {
@@ -150,7 +165,7 @@ TARGET_WORKER_QUERY = f"last_over_time(dynserve_worker_kv_blocks_capacity[{HEALT
 
 
 def fetch_view(client: PrometheusClient) -> FleetView:
-    """One frame from Prometheus (about twenty instant queries, one after another). Raises
+    """One frame from Prometheus (about two dozen instant queries, one after another). Raises
     PrometheusError when Prometheus cannot be reached or refuses a query."""
     fetched_at_unix_s = time.time()
     workers = _fetch_workers(client)
@@ -274,14 +289,18 @@ def _pools_table(pools: tuple[PoolView, ...]) -> Table:
 
 
 def _workers_table(workers: tuple[WorkerView, ...]) -> Table:
-    table = _table("workers", "waiting", "running", "KV", "tok/s", "step\nms",
-                   first=("worker", "pool", "health"))
+    """One row per worker; with a column of cached KV blocks per medium when any worker has KV tiers."""
+    tiers = any(worker.has_lower_tiers for worker in workers)
+    table = _table("workers", "waiting", "running", "KV", *(("KV blocks\ndev/host/disk",) if tiers else ()),
+                   "tok/s", "step\nms", first=("worker", "pool", "health"))
     table.add_column("model", overflow="ellipsis", max_width=24)
     table.add_column("target", overflow="ellipsis")
     for worker in workers:
+        blocks = (worker.kv_device_blocks, worker.kv_host_blocks, worker.kv_disk_blocks)
         table.add_row(worker.worker_id or "-", worker.role or "-",
                       Text(worker.health, style=_HEALTH_STYLE[worker.health]), _count(worker.num_waiting),
                       _count(worker.num_running), _percent(worker.kv_usage_ratio),
+                      *(("/".join(map(_count, blocks)),) if tiers else ()),
                       _rate(worker.generated_tokens_per_s), _ms(worker.step_mean_s), worker.model or "-",
                       worker.instance or "-")
     if not workers:
@@ -349,8 +368,11 @@ def top(*, prometheus_url: str | None, interval_s: float, once: bool, output: Li
                 raise PrometheusError(_one_line(exc), url=exc.url, query=exc.query) from exc
             if output == "json":
                 print(json.dumps(view_to_json(view)), file=console.file, flush=True)
-            else:  # to a file or a pipe, whole rows rather than a guessed 80 columns
-                console.print(render(view), width=None if console.is_terminal else max(console.width, 160))
+            elif console.is_terminal:
+                console.print(render(view))
+            else:  # to a file or a pipe, whole rows rather than a guessed 80 columns (`print(width=)` can
+                # only narrow a console, so a wider one writes them)
+                Console(file=console.file, width=max(console.width, 160)).print(render(view))
             return 0
         return run_live(client, interval_s=interval_s, output=output, console=console)
 
