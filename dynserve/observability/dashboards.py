@@ -1,7 +1,7 @@
 """The Grafana dashboards of a dynserve fleet, built with grafana-foundation-sdk's typed builders: overview
 (what clients see at the gateway), router (how requests are placed), workers (each engine's queue, KV cache,
-KV tiers and steps), disaggregation (where prompts are prefilled and how their KV travels) and planner (how many
-workers each pool gets, and why).
+KV tiers and steps), disaggregation (where prompts are prefilled and how their KV travels) and planner (how
+many workers each pool gets, and why).
 
 `deploy/grafana/<uid>.json` is this module's output (`python -m dynserve.observability.dashboards` writes it;
 a test fails when the two differ). Nothing here is hand-written JSON.
