@@ -76,16 +76,19 @@ def encode_block(layout: PageLayout, block_hash: BlockHash, parent_hash: BlockHa
     """A block file's bytes: header, token ids, pages."""
     ids = struct.pack(f"<{len(token_ids)}q", *token_ids)
     shape = list(layout.page_shape) + [0] * (_MAX_DIMS - len(layout.page_shape))
-    checksum = xxhash.xxh3_64_intdigest(ids + pages)
+    digest = xxhash.xxh3_64()
+    digest.update(ids)
+    digest.update(pages)
+    checksum = digest.intdigest()
     header = _HEADER.pack(_MAGIC, _VERSION, layout.model_salt, block_hash,
                           0 if parent_hash is None else parent_hash,
                           parent_hash is not None, layout.block_size, len(token_ids), layout.dtype_name,
                           len(layout.page_shape), *shape, len(pages), checksum)
-    return header + ids + pages
+    return b"".join((header, ids, pages))
 
 
 def decode_block(layout: PageLayout, block_hash: BlockHash, token_ids: tuple[int, ...],
-                 data: bytes | None) -> torch.Tensor | None:
+                 data: bytes | bytearray | None) -> torch.Tensor | None:
     """The pages (uint8) of block file `data` if it is whole, its checksum holds, and its header names this
     format, `layout`'s model and shape, `block_hash` and `token_ids`; None otherwise."""
     if data is None or len(data) < _HEADER.size:
@@ -106,6 +109,9 @@ def decode_block(layout: PageLayout, block_hash: BlockHash, token_ids: tuple[int
         return None
     if struct.unpack_from(f"<{num_tokens}q", body) != token_ids:
         return None
+    start = _HEADER.size + 8 * num_tokens
+    if isinstance(data, bytearray):  # read from its file: the pages are used in place
+        return torch.frombuffer(data, dtype=torch.uint8, offset=start, count=payload_bytes)
     return torch.frombuffer(bytearray(body[8 * num_tokens:]), dtype=torch.uint8)
 
 
@@ -139,15 +145,17 @@ class DiskWriter:
             self._pending.pop(path, None)
         self._submit((path, None))
 
-    def read(self, path: str) -> bytes | None:
-        """The file's bytes (one sequential read), its queued bytes if not yet written, None if absent."""
+    def read(self, path: str) -> bytes | bytearray | None:
+        """The file's bytes (one sequential read into one buffer), its queued bytes if not yet written, None
+        if absent."""
         with self._lock:
-            data = self._pending.get(path)
-        if data is not None:
-            return data
+            queued = self._pending.get(path)
+        if queued is not None:
+            return queued
         try:
             with open(path, "rb", buffering=0) as f:
-                data = f.read()
+                data = bytearray(os.fstat(f.fileno()).st_size)
+                del data[f.readinto(data) or 0:]
         except OSError:
             return None
         self._stats.disk_read_bytes += len(data)
