@@ -1,0 +1,300 @@
+"""KV tiers on long multi-turn chats: TTFT of returning turns and prefill computed, with and without the
+host and disk tiers, on the real model (SmolLM2-135M, two aggregated workers, kv router).
+
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.tiers [--quick] [--policies none host host_disk all]
+
+The workload (`_tiers_workload.py`, fixed seed): conversations that each open with a long context of their
+own and append the previous answer and a new question every turn, played one turn at a time, round robin
+over the conversations, greedy with short answers, so TTFT is the prefill (or the onboarding) of the
+history. Each worker's device pool (`--kv-blocks`) holds about one conversation's largest request, and the
+conversations' contexts add up to several times both pools together: when a conversation comes back, the
+others have evicted it from the device. The same script is played against a fresh `dynctl serve` per policy:
+
+- `none`: no tiers; a returning turn prefills its history again;
+- `host`: a host tier that holds the whole workload (`--kv-host-bytes`); the router blind to the tiers
+  (host and disk hit weights 0);
+- `host_disk`: a host tier of half a device pool and a disk tier under a temporary directory
+  (`--kv-disk-bytes`, `--kv-disk-dir`) that holds the rest; the router blind to the tiers;
+- `all`: the tiers of `host_disk` and a router that credits host and disk hits (dynserve's default
+  `--router-host-hit-weight` and `--router-disk-hit-weight`). The issue's fourth policy also pulls blocks
+  from a peer; pulls are not built, so `all` runs without them and the result says `peer_pulls: false`.
+
+Reported per policy: TTFT of returning turns (every turn but a conversation's first: p50, mean, p90) and of
+first turns; prefill tokens computed (prompt less cached, from each response's usage); the workers' tier
+counters from their `/metrics` (blocks offloaded, onboarded and dropped per medium, onboard time, disk bytes)
+and the router's prompt blocks hit per medium; every answer; wall time and load average. Then
+`ttft_ratio_none_over_host`, `ttft_ratio_none_over_all` (means of returning turns),
+`prefill_tokens_saved_ratio` (1 - prefill tokens with `all` / without tiers) and `outputs_identical` (every
+answer equal to `none`'s under greedy decoding; where not, each conversation's first differing turn). The
+issue's targets, on the median of 3 full runs: none/host >= 3, none/all >= 4. The mocker variant at a GPU
+profile is not run: the mocker does not model tiers (`mocker: null`, with the reason).
+
+The last stdout line is the JSON result; a copy goes to `benchmarks/results/tiers-<timestamp>.json` and the
+CDF of returning turns' TTFT per policy next to it (`.png`). `--quick`: 6 conversations of 3 turns on
+500-word contexts (about 3 minutes); the full run: 8 conversations of 5 turns on 1,000-word contexts.
+Measurements and their history: `docs/benchmarks.md` (tiers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import RESULTS_DIR, git_commit, log, machine_info, write_result
+from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters
+from benchmarks._http import RawConnection
+from benchmarks._tiers_report import TurnResult, compare_outputs, headline, plot, summarize_policy
+from benchmarks._tiers_workload import (
+    FULL_PLAN,
+    POLICIES,
+    QUICK_PLAN,
+    Conversation,
+    Plan,
+    Policy,
+    Sizes,
+    make_conversations,
+    policies,
+    policy_flags,
+    size_fleet,
+    turn_order,
+)
+from dynserve.config import Settings
+
+TARGETS = {"ttft_ratio_none_over_host": 3.0, "ttft_ratio_none_over_all": 4.0}
+MOCKER_REASON = ("not run: the mocker's engine has no KV tiers (no host or disk pool, no onboarding time "
+                 "in its profiles), so a GPU-profile variant of these policies would measure nothing")
+NUM_WARM_UP = 4  # short chats before the timing, two per worker
+_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
+_MEDIUM = re.compile(r'medium="([^"]*)"')
+_TIER_PREFIXES = ("dynserve_worker_kv_tier_", "dynserve_worker_kv_onboard_", "dynserve_worker_kv_disk_")
+
+
+# ---- one chat turn ----------------------------------------------------------------------------------------
+
+
+async def _chat(port: int, model: str, messages: list[dict[str, str]],
+                max_tokens: int) -> tuple[str, float, dict[str, Any]]:
+    """One greedy streamed chat completion: (the answer, TTFT in s, the usage)."""
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    conn = await RawConnection("127.0.0.1", port).open()
+    try:
+        sent_s, events = await conn.post_events(conn.request_bytes("/v1/chat/completions", body))
+        first_s, usage, parts = None, None, []
+        async for data in events:
+            if data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"error event: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    parts.append(content)
+                if first_s is None and (content or choice.get("finish_reason")):  # an empty answer: its end
+                    first_s = time.monotonic()
+    finally:
+        await conn.close()
+    if first_s is None or usage is None:
+        raise RuntimeError("no answer or no usage in the stream")
+    return "".join(parts), first_s - sent_s, usage
+
+
+async def _warm_up(port: int, model: str) -> None:
+    """Short chats whose prompts the workload never uses (the router spreads them over both workers)."""
+    for i in range(NUM_WARM_UP):
+        words = " ".join(["warm"] * 200)
+        await _chat(port, model, [{"role": "user", "content": f"Warm-up {i}: {words}"}], 4)
+
+
+async def _play(port: int, model: str, plan: Plan, conversations: tuple[Conversation, ...],
+                name: str) -> list[TurnResult]:
+    """Every turn of the script in `turn_order`, one at a time, each conversation's answers fed back."""
+    histories = [[{"role": "system", "content": c.system}] for c in conversations]
+    results: list[TurnResult] = []
+    for conversation, turn in turn_order(plan.num_conversations, plan.num_turns):
+        messages = histories[conversation]
+        messages.append({"role": "user", "content": conversations[conversation].questions[turn]})
+        answer, ttft_s, usage = await _chat(port, model, messages, plan.max_tokens)
+        messages.append({"role": "assistant", "content": answer})
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        results.append(TurnResult(conversation, turn, ttft_s, usage["prompt_tokens"], cached, answer))
+        if conversation == plan.num_conversations - 1:
+            done = [r for r in results if r.turn == turn]
+            log(f"{name}: turn {turn}: mean TTFT {1000 * sum(r.ttft_s for r in done) / len(done):.0f} ms, "
+                f"prompt {sum(r.prompt_tokens for r in done)} tokens, "
+                f"cached {sum(r.cached_tokens for r in done)}")
+    return results
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------
+
+
+def _get(address: str, path: str, timeout_s: float = 10.0) -> str:
+    host, _, port = address.rpartition(":")
+    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read().decode()
+        if response.status != 200:
+            raise RuntimeError(f"GET {address}{path} answered {response.status}")
+        return body
+    finally:
+        conn.close()
+
+
+def _worker_tier_counters(gateway_port: int) -> dict[str, float]:
+    """The workers' tier series summed over the workers, keyed `name` or `name{medium}`."""
+    groups = json.loads(_get(f"127.0.0.1:{gateway_port}", "/metrics/targets"))
+    addresses = [t for g in groups if g["labels"].get("component") == "worker" for t in g["targets"]]
+    totals: dict[str, float] = {}
+    for address in addresses:
+        for line in _get(address, "/metrics").splitlines():
+            found = _SAMPLE.match(line)
+            if found is None:
+                continue
+            name, labels, value = found.groups()
+            if not name.startswith(_TIER_PREFIXES) or name.endswith("_created"):
+                continue
+            medium = _MEDIUM.search(labels or "")
+            key = name + (f"{{{medium.group(1)}}}" if medium else "")
+            totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def _onboard_ms_per_block(counters: dict[str, float]) -> float | None:
+    onboarded = sum(v for k, v in counters.items()
+                    if k.startswith("dynserve_worker_kv_tier_onboarded_blocks"))
+    seconds = sum(v for k, v in counters.items() if k.startswith("dynserve_worker_kv_onboard_seconds"))
+    return 1000 * seconds / onboarded if onboarded else None
+
+
+# ---- one policy -------------------------------------------------------------------------------------------
+
+
+def _served_model(port: int) -> str:
+    return json.loads(_get(f"127.0.0.1:{port}", "/v1/models"))["data"][0]["id"]
+
+
+def run_policy(policy: Policy, flags: list[str], plan: Plan, conversations: tuple[Conversation, ...],
+               log_dir: Path) -> tuple[dict[str, Any], list[TurnResult]]:
+    """A fresh fleet with `flags`, a warm-up, the whole script; the policy's figures and its turns."""
+    log(f"{policy.name}: starting dynctl serve {' '.join(flags)}")
+    started_s = time.monotonic()
+    load_start = os.getloadavg()[0]
+    server: DynctlServer
+    with dynctl_serve(f"tiers-{policy.name}", flags, log_dir=log_dir) as server:
+        ready_s = time.monotonic() - started_s
+        model = _served_model(server.port)
+        asyncio.run(_warm_up(server.port, model))
+        play_start_s = time.monotonic()
+        turns = asyncio.run(_play(server.port, model, plan, conversations, policy.name))
+        play_s = time.monotonic() - play_start_s
+        tiers = _worker_tier_counters(server.port)
+        router = scrape_counters(server.port, "dynserve_router_prompt")
+    summary = summarize_policy(turns)
+    figures = {"policy": asdict(policy), "flags": flags, "ready_s": ready_s, "play_s": play_s,
+               "wall_s": time.monotonic() - started_s, "load_avg_1m_start": load_start,
+               "load_avg_1m_end": os.getloadavg()[0], **summary,
+               "onboard_ms_per_block": _onboard_ms_per_block(tiers), "worker_tiers": tiers, "router": router,
+               "turns": [asdict(t) for t in turns]}
+    log(f"{policy.name}: returning turns' TTFT mean {summary['ttft_returning_mean_ms']:.0f} ms, "
+        f"p50 {summary['ttft_returning_p50_ms']:.0f} ms; prefill {summary['prefill_tokens']} of "
+        f"{summary['prompt_tokens']} prompt tokens; played in {play_s:.0f} s, "
+        f"load {figures['load_avg_1m_end']:.1f}")
+    return figures, turns
+
+
+def _page_sizes(block_size: int) -> tuple[int, int, str]:
+    """(a block's KV bytes in memory, its disk file's bytes, the KV dtype) for the default model as the
+    workers will run it (its dtype resolved on this machine, as theirs is)."""
+    import torch
+
+    from dynserve.engine.kv_disk import PageLayout
+    from dynserve.engine.llm_engine import resolve_dtype
+    from dynserve.model.gguf_metadata import read_gguf_metadata
+    from dynserve.model.resolve import resolve_model_path
+
+    meta = read_gguf_metadata(resolve_model_path(None))
+    arch = meta["general.architecture"]
+    num_heads = meta[f"{arch}.attention.head_count"]
+    head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // num_heads
+    dtype = resolve_dtype(Settings.model_fields["dtype"].default, torch.device("cpu"))
+    shape = (meta[f"{arch}.block_count"], 2, block_size, meta[f"{arch}.attention.head_count_kv"], head_dim)
+    layout = PageLayout(dtype, shape, block_size, 0)
+    return layout.page_bytes, layout.file_bytes(), str(dtype).removeprefix("torch.")
+
+
+# ---- main -------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="6 conversations of 3 turns (about 3 minutes)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                        help="policies in order [default: none host host_disk all]")
+    parser.add_argument("--output", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    conversations = make_conversations(plan, args.seed)
+    sizes: Sizes = size_fleet(plan, conversations)
+    page_bytes, file_bytes, dtype = _page_sizes(plan.block_size)
+    all_policies = policies(sizes)
+    log(f"{plan.num_conversations} conversations x {plan.num_turns} turns; device pool {sizes.device_blocks} "
+        f"blocks a worker, the workload {sizes.workload_blocks} blocks; KV {dtype}, "
+        f"{page_bytes} bytes a block")
+    output = args.output or RESULTS_DIR / f"tiers-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    start_s = time.monotonic()
+    figures: dict[str, Any] = {}
+    turns_by_policy: dict[str, list[TurnResult]] = {}
+    with tempfile.TemporaryDirectory(prefix="tiers-bench-") as tmp:
+        for name in args.policies:
+            policy = all_policies[name]
+            disk_dir = Path(tmp) / f"disk-{name}"
+            disk_dir.mkdir()
+            flags = policy_flags(policy, sizes, page_bytes=page_bytes, disk_file_bytes=file_bytes,
+                                 disk_dir=str(disk_dir))
+            figures[name], turns_by_policy[name] = run_policy(policy, flags, plan, conversations, Path(tmp))
+    outputs = compare_outputs(turns_by_policy)
+    if not outputs["outputs_identical"] and outputs["differences"]:
+        log(f"answers differ from none's: {json.dumps(outputs['differences'])[:2000]}")
+    result: dict[str, Any] = {
+        "benchmark": "tiers", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
+        "machine": machine_info(), "plan": asdict(plan), "sizes": asdict(sizes), "kv_dtype": dtype,
+        "kv_block_bytes": page_bytes, "kv_disk_file_bytes": file_bytes,
+        "router_tier_weights_all": {"host": Settings.model_fields["router_host_hit_weight"].default,
+                                    "disk": Settings.model_fields["router_disk_hit_weight"].default},
+        **headline(figures), "targets": TARGETS,
+        "outputs_identical": outputs["outputs_identical"], "output_differences": outputs["differences"],
+        "peer_pulls": False, "mocker": None, "mocker_reason": MOCKER_REASON,
+        "policies": figures, "wall_s": time.monotonic() - start_s,
+    }
+    if turns_by_policy:
+        png = output.with_suffix(".png")
+        png.parent.mkdir(parents=True, exist_ok=True)
+        kind = "quick" if args.quick else "full"
+        plot(png, turns_by_policy, f"dynserve KV tiers: TTFT of returning chat turns ({kind}, SmolLM2-135M, "
+                                   f"2 workers, {sizes.device_blocks}-block device pools)")
+        result["png"] = str(png)
+    write_result("tiers", result, output)
+    return result
+
+
+if __name__ == "__main__":
+    main()
