@@ -55,7 +55,7 @@ class PageLayout:
         num = 1
         for dim in self.page_shape:
             num *= dim
-        return num * torch.empty((), dtype=self.dtype).element_size()
+        return num * self.dtype.itemsize
 
     @property
     def dtype_name(self) -> bytes:
