@@ -396,14 +396,15 @@ PROMPT = [(i * 37 + 11) % 500 + 3 for i in range(70)]  # 4 full blocks and a tai
 OTHERS = [[(i * 53 + 7 * k) % 500 + 3 for i in range(150)] for k in range(1, 3)]  # evict the prompt's blocks
 
 
-@pytest.mark.parametrize(("tier", "host_blocks", "disk_blocks"), [("host", 16, 0), ("disk", 0, 16)])
+@pytest.mark.parametrize(("tier", "host_blocks", "disk_blocks", "disk_write"),
+                         [("host", 16, 0, "sync"), ("disk", 0, 16, "sync"), ("disk", 0, 16, "background")])
 def test_greedy_output_over_an_onboarded_prefix_equals_a_fresh_prefill(
-    tiny_loaded: Any, tmp_path: Path, tier: str, host_blocks: int, disk_blocks: int
+    tiny_loaded: Any, tmp_path: Path, tier: str, host_blocks: int, disk_blocks: int, disk_write: str
 ) -> None:
     fresh_engine = _engine(tiny_loaded, tmp_path, enable_prefix_caching=False)
     fresh = fresh_engine.generate([PROMPT], GREEDY)[0]
     engine = _engine(tiny_loaded, tmp_path, kv_host_bytes=host_blocks * PAGE_BYTES,
-                     kv_disk_bytes=disk_blocks * (PAGE_BYTES + 4096))
+                     kv_disk_bytes=disk_blocks * (PAGE_BYTES + 4096), kv_disk_write=disk_write)
     tiers = engine.block_manager.tiers
     replay = Replay()
     engine.generate([PROMPT], GREEDY)
@@ -422,6 +423,7 @@ def test_greedy_output_over_an_onboarded_prefix_equals_a_fresh_prefill(
     torch.testing.assert_close(logits, fresh_engine.compute_logits([PROMPT]), atol=1e-5, rtol=0)
     replay.apply(engine.drain_kv_events())
     replay.assert_matches(engine.block_manager)
+    tiers.flush()  # then the disk directory is checked against the disk tier too
     engine.block_manager.check_integrity(engine.scheduler.running)
     engine.close()
 
