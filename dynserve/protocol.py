@@ -288,17 +288,17 @@ class RequestTiming(msgspec.Struct, kw_only=True, frozen=True):
 MEDIA = ("device", "host", "disk")  # the tiers a cached block lives in, fastest first
 
 
-class BlockStored(msgspec.Struct, tag="stored", array_like=True, omit_defaults=True):
+class BlockStored(msgspec.Struct, tag="stored", array_like=True):
     """Blocks newly cached, in chain order, on `medium` (one of `MEDIA`); `parent_hash` is the hash before the
     first (None at the root). A block moving between tiers is removed from one medium and stored on another."""
 
     event_id: int
     parent_hash: int | None
     block_hashes: list[int]
-    medium: str = "device"  # omitted on the wire when "device": a device-only worker's events are unchanged
+    medium: str = "device"  # last on the wire, so a frame without it (an older worker's) decodes as "device"
 
 
-class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, omit_defaults=True):
+class BlockRemoved(msgspec.Struct, tag="removed", array_like=True):
     event_id: int
     block_hashes: list[int]
     medium: str = "device"
