@@ -275,6 +275,9 @@ class TurnsPlan:
     interval_s: float = 1.0  # the planner's decision interval
     down_delay_s: float = 10.0  # a lower need holds this long before a pool shrinks (3 s, three intervals,
     # took a pool down on a noisy read in the middle of its model's rise)
+    # the planner's TTFT target under the 2 s SLO (the static fleet is sized at 1 s): it meets each rise with the
+    # workers it has while the next one starts, so it keeps the queue shorter than a fleet sized for the peak
+    planner_ttft_ms: float = 600.0
     window_s: float = 3.0  # its read window (2 s, with the 1 s scrape, read a busy model at under half its rate
     # in 14% of the decisions of a full run on a loaded machine)
     sizing_window_s: float = 10.0  # the static fleet carries each model's busiest window of this length
@@ -297,7 +300,8 @@ def fleet_flags(plan: TurnsPlan, links: Sequence[Path], sizing: Sizing) -> dict[
     models = [flag for link in links for flag in ("--model", str(link))]
     return {"static": [*models, *flags["peak"][0]],
             "planner": [*models, *flags["planner"][0], "--planner-max-total-workers", str(sizing.budget),
-                        "--planner-down-delay-s", f"{plan.down_delay_s:g}"]}
+                        "--planner-down-delay-s", f"{plan.down_delay_s:g}", "--planner-ttft-ms",
+                        f"{plan.planner_ttft_ms:g}"]}
 
 
 def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir: Path,
