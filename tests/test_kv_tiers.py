@@ -1,6 +1,7 @@
 """KV tiers below the device pool: blocks evicted to the host tier and on to the disk tier come back byte for
 byte, a corrupt or short disk file is recomputed, the medium-tagged KV events replay to exactly the blocks
-each tier holds, and greedy output over an onboarded prefix equals a fresh prefill's.
+each tier holds (and the router's tiered index fed the same events holds the same per tier), and greedy
+output over an onboarded prefix equals a fresh prefill's.
 
 The block-manager tests run on a small real KV tensor whose every computed block is written with pages that
 are a function of the block's hash (`pages_of`), so "the block a sequence reads holds its own prefix's KV"
@@ -25,6 +26,7 @@ from dynserve.engine.kv_tiers import KVTiers, PageLayout, TierPolicy
 from dynserve.engine.sequence import Sequence
 from dynserve.hashing import hash_blocks
 from dynserve.protocol import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, SamplingParams
+from dynserve.router.tiers import TieredIndex
 
 SALT = 7
 PAGE = (2, 2, 0, 2, 4)  # layers, K/V, (block size), kv heads, head dim
@@ -88,13 +90,16 @@ def scribble_free(bm: BlockManager, kv: torch.Tensor) -> None:
 
 
 class Replay:
-    """The per-tier sets of cached hashes, rebuilt from the KV events alone."""
+    """The per-tier sets of cached hashes, rebuilt from the KV events alone, and the router's tiered index fed
+    the same events."""
 
     def __init__(self) -> None:
         self.held: dict[str, set[int]] = {medium: set() for medium in MEDIA}
         self.next_event_id = 0
+        self.index = TieredIndex()
 
     def apply(self, events: list[KVEvent]) -> None:
+        assert self.index.apply("w", events), "the index saw a gap in the engine's events"
         for event in events:
             assert event.event_id == self.next_event_id, "event ids must be consecutive"
             self.next_event_id += 1
@@ -112,6 +117,11 @@ class Replay:
     def assert_matches(self, bm: BlockManager) -> None:
         snapshot = bm.cached_block_hashes_by_medium()
         assert {m: set(snapshot.get(m, [])) for m in MEDIA} == self.held
+        if self.next_event_id:  # the index knows the worker once it has sent an event
+            assert {m: self.index.worker_blocks("w", m) for m in MEDIA} == self.held
+            assert {m: self.index.num_worker_blocks("w", m) for m in MEDIA} == {m: len(h) for m, h in
+                                                                                 self.held.items()}
+            self.index.check_integrity()
 
 
 # ---- the block manager over tiers -----------------------------------------------------------------------
