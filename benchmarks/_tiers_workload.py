@@ -25,6 +25,7 @@ __all__ = [
     "FULL_PLAN",
     "POLICIES",
     "QUICK_PLAN",
+    "CONTROLS",
     "Conversation",
     "Plan",
     "Policy",
@@ -65,7 +66,7 @@ class Plan:
     block_size: int = 16
 
 
-QUICK_PLAN = Plan(num_conversations=6, num_turns=3, context_words=500, user_words=(30, 50), max_tokens=16)
+QUICK_PLAN = Plan(num_conversations=6, num_turns=3, context_words=400, user_words=(30, 50), max_tokens=16)
 FULL_PLAN = Plan(num_conversations=8, num_turns=5, context_words=1000, user_words=(40, 80), max_tokens=24)
 
 
@@ -126,34 +127,42 @@ def size_fleet(plan: Plan, conversations: tuple[Conversation, ...]) -> Sizes:
 @dataclass(frozen=True, slots=True)
 class Policy:
     """What a fleet keeps below the device pool, in blocks per worker (0: that tier off), and whether its
-    router credits lower-tier hits (False: host and disk hit weights 0, a router blind to the tiers)."""
+    router credits lower-tier hits (False: host and disk hit weights 0, a router blind to the tiers);
+    `device_blocks` replaces the small device pool (None: keep it)."""
 
     name: str
     host_blocks: int
     disk_blocks: int
     tier_aware_router: bool
+    device_blocks: int | None = None
 
 
-POLICIES = ("none", "host", "host_disk", "all")
+POLICIES = ("none", "host", "host_disk", "all")  # the issue's four, run by default
+CONTROLS = ("device",)  # run when asked: a device pool that holds the whole workload, no tiers
 
 
 def policies(sizes: Sizes) -> dict[str, Policy]:
     """The four policies at these sizes. `host` keeps the whole workload on the host tier; `host_disk` and
     `all` keep half a device pool there and the rest on disk (with room to spare); only `all`'s router sees
-    the tiers. (`all` is "host + disk + peer pulls with tier-aware routing" without the pulls, not built.)"""
+    the tiers. (`all` is "host + disk + peer pulls with tier-aware routing" without the pulls, not built.)
+    The control `device` has no tiers but a device pool that holds the whole workload: every returning turn
+    is a device prefix hit, the best a tier can approach, and its answers show what reusing a prefix's KV
+    does to greedy outputs without any tier involved."""
     host_all = math.ceil(1.25 * sizes.workload_blocks)
     host_small = max(1, sizes.device_blocks // 2)
     return {"none": Policy("none", 0, 0, tier_aware_router=False),
             "host": Policy("host", host_all, 0, tier_aware_router=False),
             "host_disk": Policy("host_disk", host_small, host_all, tier_aware_router=False),
-            "all": Policy("all", host_small, host_all, tier_aware_router=True)}
+            "all": Policy("all", host_small, host_all, tier_aware_router=True),
+            "device": Policy("device", 0, 0, tier_aware_router=False, device_blocks=sizes.workload_blocks)}
 
 
 def policy_flags(policy: Policy, sizes: Sizes, *, page_bytes: int, disk_file_bytes: int,
                  disk_dir: str) -> list[str]:
     """`dynctl serve` flags for `policy`: two aggregated workers behind the kv router, the device pool of
     `sizes`, and the tiers in bytes (`page_bytes` a block's KV in memory, `disk_file_bytes` its file)."""
-    flags = ["--workers", "2", "--router", "kv", "--kv-blocks", str(sizes.device_blocks)]
+    device_blocks = policy.device_blocks or sizes.device_blocks
+    flags = ["--workers", "2", "--router", "kv", "--kv-blocks", str(device_blocks)]
     if policy.host_blocks:
         flags += ["--kv-host-bytes", str(policy.host_blocks * page_bytes)]
     if policy.disk_blocks:

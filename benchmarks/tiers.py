@@ -54,6 +54,7 @@ from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters
 from benchmarks._http import RawConnection
 from benchmarks._tiers_report import TurnResult, compare_outputs, headline, plot, summarize_policy
 from benchmarks._tiers_workload import (
+    CONTROLS,
     FULL_PLAN,
     POLICIES,
     QUICK_PLAN,
@@ -202,7 +203,8 @@ def run_policy(policy: Policy, flags: list[str], plan: Plan, conversations: tupl
         turns = asyncio.run(_play(server.port, model, plan, conversations, policy.name))
         play_s = time.monotonic() - play_start_s
         tiers = _worker_tier_counters(server.port)
-        router = scrape_counters(server.port, "dynserve_router_prompt")
+        router = {k: v for k, v in scrape_counters(server.port, "dynserve_router_prompt").items()
+                  if "_created" not in k}
     summary = summarize_policy(turns)
     figures = {"policy": asdict(policy), "flags": flags, "ready_s": ready_s, "play_s": play_s,
                "wall_s": time.monotonic() - started_s, "load_avg_1m_start": load_start,
@@ -216,9 +218,9 @@ def run_policy(policy: Policy, flags: list[str], plan: Plan, conversations: tupl
     return figures, turns
 
 
-def _page_sizes(block_size: int) -> tuple[int, int, str]:
+def _page_sizes(block_size: int, dtype_name: str | None) -> tuple[int, int, str]:
     """(a block's KV bytes in memory, its disk file's bytes, the KV dtype) for the default model as the
-    workers will run it (its dtype resolved on this machine, as theirs is)."""
+    workers will run it (`dtype_name`, else the default resolved on this machine, as theirs is)."""
     import torch
 
     from dynserve.engine.kv_disk import PageLayout
@@ -230,7 +232,7 @@ def _page_sizes(block_size: int) -> tuple[int, int, str]:
     arch = meta["general.architecture"]
     num_heads = meta[f"{arch}.attention.head_count"]
     head_dim = meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // num_heads
-    dtype = resolve_dtype(Settings.model_fields["dtype"].default, torch.device("cpu"))
+    dtype = resolve_dtype(dtype_name or Settings.model_fields["dtype"].default, torch.device("cpu"))
     shape = (meta[f"{arch}.block_count"], 2, block_size, meta[f"{arch}.attention.head_count_kv"], head_dim)
     layout = PageLayout(dtype, shape, block_size, 0)
     return layout.page_bytes, layout.file_bytes(), str(dtype).removeprefix("torch.")
@@ -243,8 +245,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="6 conversations of 3 turns (about 3 minutes)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
-                        help="policies in order [default: none host host_disk all]")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES + CONTROLS, default=list(POLICIES),
+                        help="policies in order; `device` (no tiers, a device pool holding the whole "
+                             "workload) is a control [default: none host host_disk all]")
+    parser.add_argument("--dtype", default=None,
+                        help="the workers' --dtype, e.g. float32 to check outputs without bf16 rounding "
+                             "[default: dynserve's]")
     parser.add_argument("--output", type=Path, default=None)
     return parser.parse_args(argv)
 
@@ -254,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     conversations = make_conversations(plan, args.seed)
     sizes: Sizes = size_fleet(plan, conversations)
-    page_bytes, file_bytes, dtype = _page_sizes(plan.block_size)
+    page_bytes, file_bytes, dtype = _page_sizes(plan.block_size, args.dtype)
     all_policies = policies(sizes)
     log(f"{plan.num_conversations} conversations x {plan.num_turns} turns; device pool {sizes.device_blocks} "
         f"blocks a worker, the workload {sizes.workload_blocks} blocks; KV {dtype}, "
@@ -270,6 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             disk_dir.mkdir()
             flags = policy_flags(policy, sizes, page_bytes=page_bytes, disk_file_bytes=file_bytes,
                                  disk_dir=str(disk_dir))
+            flags += ["--dtype", args.dtype] if args.dtype else []
             figures[name], turns_by_policy[name] = run_policy(policy, flags, plan, conversations, Path(tmp))
     outputs = compare_outputs(turns_by_policy)
     if not outputs["outputs_identical"] and outputs["differences"]:

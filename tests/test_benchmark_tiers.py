@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks._tiers_report import TurnResult, compare_outputs, headline, summarize_policy
 from benchmarks._tiers_workload import (
+    CONTROLS,
     FULL_PLAN,
     POLICIES,
     QUICK_PLAN,
@@ -82,16 +83,18 @@ def test_the_device_pool_holds_the_largest_request_but_the_workload_is_several_p
 # ---- the policies -----------------------------------------------------------------------------------------
 
 
-def test_the_four_policies_and_their_flags() -> None:
+def test_the_four_policies_the_control_and_their_flags() -> None:
     sizes = size_fleet(PLAN, make_conversations(PLAN, 0))
     by_name = policies(sizes)
-    assert tuple(by_name) == POLICIES
+    assert tuple(by_name) == POLICIES + CONTROLS
     page, file = 1000, 1100
     flags = {name: policy_flags(policy, sizes, page_bytes=page, disk_file_bytes=file, disk_dir="/tmp/d")
              for name, policy in by_name.items()}
     for name in POLICIES:
         assert _flag(flags[name], "--workers") == "2" and _flag(flags[name], "--router") == "kv"
         assert _flag(flags[name], "--kv-blocks") == str(sizes.device_blocks)
+    # the control: no tiers, a device pool per worker that holds every conversation
+    assert flags["device"] == [*flags["none"][:5], str(sizes.workload_blocks), *flags["none"][6:]]
     assert "--kv-host-bytes" not in flags["none"] and "--kv-disk-bytes" not in flags["none"]
     host = int(_flag(flags["host"], "--kv-host-bytes") or 0)
     assert host >= sizes.workload_blocks * page and "--kv-disk-bytes" not in flags["host"]
