@@ -17,7 +17,9 @@ others have evicted it from the device. The same script is played against a fres
   (`--kv-disk-bytes`, `--kv-disk-dir`) that holds the rest; the router blind to the tiers;
 - `all`: the tiers of `host_disk` and a router that credits host and disk hits (dynserve's default
   `--router-host-hit-weight` and `--router-disk-hit-weight`). The issue's fourth policy also pulls blocks
-  from a peer; pulls are not built, so `all` runs without them and the result says `peer_pulls: false`.
+  from a peer; pulls are not built, so `all` runs without them and the result says `peer_pulls: false`;
+- `device` (a control): no tiers, a device pool that holds the whole workload, so every returning turn is a
+  device prefix hit: the best a tier can approach, and what prefix reuse alone does to greedy answers.
 
 Reported per policy: TTFT of returning turns (every turn but a conversation's first: p50, mean, p90) and of
 first turns; prefill tokens computed (prompt less cached, from each response's usage); the workers' tier
@@ -25,13 +27,15 @@ counters from their `/metrics` (blocks offloaded, onboarded and dropped per medi
 and the router's prompt blocks hit per medium; every answer; wall time and load average. Then
 `ttft_ratio_none_over_host`, `ttft_ratio_none_over_all` (means of returning turns),
 `prefill_tokens_saved_ratio` (1 - prefill tokens with `all` / without tiers) and `outputs_identical` (every
-answer equal to `none`'s under greedy decoding; where not, each conversation's first differing turn). The
+answer equal to `none`'s under greedy decoding; where not, each conversation's first differing turn) and
+`outputs_identical_to_device` (the tiered policies' answers against the control's: reusing a prefix's KV,
+on the device too, may flip a near tie in bf16, which no tier causes; `--dtype float32` narrows that). The
 issue's targets, on the median of 3 full runs: none/host >= 3, none/all >= 4. The mocker variant at a GPU
 profile is not run: the mocker does not model tiers (`mocker: null`, with the reason).
 
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/tiers-<timestamp>.json` and the
 CDF of returning turns' TTFT per policy next to it (`.png`). `--quick`: 6 conversations of 3 turns on
-500-word contexts (about 3 minutes); the full run: 8 conversations of 5 turns on 1,000-word contexts.
+400-word contexts; the full run: 8 conversations of 5 turns on 1,000-word contexts.
 Measurements and their history: `docs/benchmarks.md` (tiers).
 """
 
@@ -243,11 +247,11 @@ def _page_sizes(block_size: int, dtype_name: str | None) -> tuple[int, int, str]
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 conversations of 3 turns (about 3 minutes)")
+    parser.add_argument("--quick", action="store_true", help="6 conversations of 3 turns on shorter contexts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policies", nargs="+", choices=POLICIES + CONTROLS, default=list(POLICIES),
+    parser.add_argument("--policies", nargs="+", choices=POLICIES + CONTROLS, default=[*POLICIES, *CONTROLS],
                         help="policies in order; `device` (no tiers, a device pool holding the whole "
-                             "workload) is a control [default: none host host_disk all]")
+                             "workload) is a control [default: none host host_disk all device]")
     parser.add_argument("--dtype", default=None,
                         help="the workers' --dtype, e.g. float32 to check outputs without bf16 rounding "
                              "[default: dynserve's]")
@@ -279,8 +283,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             flags += ["--dtype", args.dtype] if args.dtype else []
             figures[name], turns_by_policy[name] = run_policy(policy, flags, plan, conversations, Path(tmp))
     outputs = compare_outputs(turns_by_policy)
-    if not outputs["outputs_identical"] and outputs["differences"]:
+    if outputs["differences"]:
         log(f"answers differ from none's: {json.dumps(outputs['differences'])[:2000]}")
+    tiered = {name: turns for name, turns in turns_by_policy.items() if name != "none"}
+    to_device = compare_outputs(tiered, "device") if "device" in tiered else None
+    if to_device is not None and to_device["differences"]:
+        log(f"answers differ from the device control's: {json.dumps(to_device['differences'])[:2000]}")
     result: dict[str, Any] = {
         "benchmark": "tiers", "quick": args.quick, "seed": args.seed, "commit": git_commit(),
         "machine": machine_info(), "plan": asdict(plan), "sizes": asdict(sizes), "kv_dtype": dtype,
@@ -289,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                     "disk": Settings.model_fields["router_disk_hit_weight"].default},
         **headline(figures), "targets": TARGETS,
         "outputs_identical": outputs["outputs_identical"], "output_differences": outputs["differences"],
+        "outputs_identical_to_device": to_device["outputs_identical"] if to_device else None,
+        "output_differences_to_device": to_device["differences"] if to_device else None,
         "peer_pulls": False, "mocker": None, "mocker_reason": MOCKER_REASON,
         "policies": figures, "wall_s": time.monotonic() - start_s,
     }

@@ -169,3 +169,13 @@ def test_without_a_baseline_or_another_policy_nothing_is_called_identical() -> N
     keys = {(0, 0): 1.0}
     assert compare_outputs({"host": _turns(keys)})["outputs_identical"] is False
     assert compare_outputs({"none": _turns(keys)})["outputs_identical"] is False
+
+
+def test_answers_can_be_compared_against_the_device_control_instead() -> None:
+    keys = {(c, t): 1.0 for c in range(2) for t in range(2)}
+    flipped = [TurnResult(r.conversation, r.turn, r.ttft_s, r.prompt_tokens, r.cached_tokens,
+                          "flip" if (r.conversation, r.turn) == (0, 1) else r.answer) for r in _turns(keys)]
+    played = {"none": _turns(keys), "device": flipped, "all": flipped}
+    assert compare_outputs(played)["outputs_identical"] is False  # prefix reuse flipped a near tie
+    to_device = compare_outputs({k: v for k, v in played.items() if k != "none"}, "device")
+    assert to_device["outputs_identical"] is True and to_device["compared"] == ["all"]
