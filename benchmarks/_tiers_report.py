@@ -124,6 +124,7 @@ def plot(path: Path, turns_by_policy: Mapping[str, Sequence[TurnResult]], title:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
     figure, (cdf_ax, bar_ax) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     names = list(turns_by_policy)
@@ -135,6 +136,9 @@ def plot(path: Path, turns_by_policy: Mapping[str, Sequence[TurnResult]], title:
             cdf_ax.step(ttfts_ms, [(i + 1) / len(ttfts_ms) for i in range(len(ttfts_ms))], where="post",
                         label=name)
     cdf_ax.set_xscale("log")
+    cdf_ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # 100, 200, 500, 1000, ...
+    cdf_ax.xaxis.set_major_formatter(ScalarFormatter())
+    cdf_ax.xaxis.set_minor_formatter(NullFormatter())
     cdf_ax.set_xlabel("TTFT of returning turns (ms, log scale)")
     cdf_ax.set_ylabel("share of returning turns")
     cdf_ax.legend(fontsize="small")
