@@ -16,17 +16,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from dynserve.engine.block_manager import BlockManager
-from dynserve.engine.kv_tiers import KVTiers, PageLayout, TierPolicy
 from dynserve.engine.sequence import Sequence
 from dynserve.hashing import hash_blocks
 from dynserve.protocol import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, SamplingParams
 from dynserve.router.tiers import TieredIndex
+
+from conftest import lazy_import
+
+torch = lazy_import("torch")  # imported on first use: collecting this file imports no torch
+kv_tiers = lazy_import("dynserve.engine.kv_tiers")
 
 SALT = 7
 PAGE = (2, 2, 0, 2, 4)  # layers, K/V, (block size), kv heads, head dim
@@ -43,13 +46,14 @@ def pages_of(block_hash: int, block_size: int) -> torch.Tensor:
 
 
 def make_manager(disk_dir: str, *, num_blocks: int, block_size: int, host_blocks: int, disk_blocks: int,
-                 disk_write: str = "sync", dtype: torch.dtype = torch.float32,
+                 disk_write: str = "sync", dtype: torch.dtype | None = None,
                  ) -> tuple[BlockManager, torch.Tensor]:
+    dtype = torch.float32 if dtype is None else dtype
     kv = torch.zeros((num_blocks, *page_shape(block_size)), dtype=dtype)
-    layout = PageLayout(dtype, page_shape(block_size), block_size, SALT)
-    policy = TierPolicy(host_blocks * layout.page_bytes, disk_blocks * layout.file_bytes(), disk_dir,
-                        disk_write)  # type: ignore[arg-type]
-    return BlockManager(num_blocks, block_size, SALT, tiers=KVTiers(policy, layout, kv)), kv
+    layout = kv_tiers.PageLayout(dtype, page_shape(block_size), block_size, SALT)
+    policy = kv_tiers.TierPolicy(host_blocks * layout.page_bytes, disk_blocks * layout.file_bytes(), disk_dir,
+                                 disk_write)  # type: ignore[arg-type]
+    return BlockManager(num_blocks, block_size, SALT, tiers=kv_tiers.KVTiers(policy, layout, kv)), kv
 
 
 def make_seq(token_ids: list[int], request_id: str = "r") -> Sequence:
@@ -127,11 +131,10 @@ class Replay:
 # ---- the block manager over tiers -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_block_evicted_to_host_then_disk_comes_back_byte_identical(tmp_path: Path, dtype: torch.dtype,
-                                                                   ) -> None:
-    bm, kv = make_manager(str(tmp_path), num_blocks=4, block_size=2, host_blocks=2, disk_blocks=8,
-                          dtype=dtype)
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16", "float16"])
+def test_block_evicted_to_host_then_disk_comes_back_byte_identical(tmp_path: Path, dtype_name: str) -> None:
+    dtype = getattr(torch, dtype_name)
+    bm, kv = make_manager(str(tmp_path), num_blocks=4, block_size=2, host_blocks=2, disk_blocks=8, dtype=dtype)
     replay = Replay()
     first = list(range(7))  # 3 full blocks
     run_and_free(bm, kv, first, "first")
@@ -229,8 +232,8 @@ def test_another_blocks_valid_file_in_a_blocks_place_is_refused(tmp_path: Path) 
 
 def test_the_default_disk_directory_is_the_engines_own_and_goes_with_it() -> None:
     kv = torch.zeros((2, *page_shape(2)))
-    layout = PageLayout(torch.float32, page_shape(2), 2, SALT)
-    tiers = KVTiers(TierPolicy(disk_bytes=4 * layout.file_bytes()), layout, kv)
+    layout = kv_tiers.PageLayout(torch.float32, page_shape(2), 2, SALT)
+    tiers = kv_tiers.KVTiers(kv_tiers.TierPolicy(disk_bytes=4 * layout.file_bytes()), layout, kv)
     assert tiers.num_disk_blocks_max == 4 and tiers.num_host_slots == 0
     disk_dir = tiers.disk_dir
     assert disk_dir is not None and Path(disk_dir).parent == Path(tempfile.gettempdir())
@@ -262,7 +265,7 @@ def test_tier_sizes_of_zero_build_no_tiers_and_events_stay_device_events(tmp_pat
 
     settings = Settings()
     assert settings.kv_host_bytes == 0 and settings.kv_disk_bytes == 0
-    assert not TierPolicy(settings.kv_host_bytes, settings.kv_disk_bytes).enabled
+    assert not kv_tiers.TierPolicy(settings.kv_host_bytes, settings.kv_disk_bytes).enabled
     old_wire = msgspec.msgpack.encode(["stored", 0, None, [1, 2]])
     decoded = msgspec.msgpack.decode(old_wire, type=KVEvent)
     assert decoded == BlockStored(0, None, [1, 2]) and decoded.medium == "device"

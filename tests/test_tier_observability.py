@@ -12,12 +12,10 @@ import time
 from pathlib import Path
 
 import msgspec
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 
 from dynserve.engine.block_manager import BlockManager
-from dynserve.engine.kv_tiers import KVTiers, PageLayout, TierPolicy
 from dynserve.engine.sequence import Sequence
 from dynserve.events.memory import MemoryEventPlane
 from dynserve.gateway.metrics import GatewayMetrics
@@ -27,6 +25,11 @@ from dynserve.router.router import Router
 from dynserve.workers.metrics import tier_families
 from dynserve.workers.worker import kv_snapshot_of
 
+from conftest import lazy_import
+
+torch = lazy_import("torch")  # imported on first use: collecting this file imports no torch
+kv_tiers = lazy_import("dynserve.engine.kv_tiers")
+
 SALT, BLOCK_SIZE = 7, 2
 PAGE_SHAPE = (1, 2, BLOCK_SIZE, 1, 2)  # layers, K/V, block size, kv heads, head dim
 
@@ -34,10 +37,10 @@ PAGE_SHAPE = (1, 2, BLOCK_SIZE, 1, 2)  # layers, K/V, block size, kv heads, head
 def tiered_manager(disk_dir: Path, *, num_blocks: int = 4, host_blocks: int = 2,
                    disk_blocks: int = 8) -> BlockManager:
     kv = torch.zeros((num_blocks, *PAGE_SHAPE))
-    layout = PageLayout(torch.float32, PAGE_SHAPE, BLOCK_SIZE, SALT)
-    policy = TierPolicy(host_blocks * layout.page_bytes, disk_blocks * layout.file_bytes(), str(disk_dir),
-                        "sync")
-    return BlockManager(num_blocks, BLOCK_SIZE, SALT, tiers=KVTiers(policy, layout, kv))
+    layout = kv_tiers.PageLayout(torch.float32, PAGE_SHAPE, BLOCK_SIZE, SALT)
+    policy = kv_tiers.TierPolicy(host_blocks * layout.page_bytes, disk_blocks * layout.file_bytes(),
+                                 str(disk_dir), "sync")
+    return BlockManager(num_blocks, BLOCK_SIZE, SALT, tiers=kv_tiers.KVTiers(policy, layout, kv))
 
 
 def serve(manager: BlockManager, token_ids: list[int], request_id: str) -> None:
