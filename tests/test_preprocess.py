@@ -111,6 +111,14 @@ def test_context_length_error_code(tokenizer: Any) -> None:
     (b'{"model": "m", "messages": []}', "messages", "messages"),
     (b'{"model": "m"', None, "parse the JSON"),
     (b"[1, 2]", None, "JSON object"),
+    # integers are bounded exactly, never through a float that rounds 2**63 down to the bound
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 9223372036854775808}', "seed",
+     "less than or equal to 9223372036854775807"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": -9223372036854775809}', "seed",
+     "greater than or equal to -9223372036854775808"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": 9.3e18}', "seed",
+     "less than or equal"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": true}', "seed", "valid integer"),
 ])
 def test_validation_errors_become_openai_errors(body: bytes, param: str | None, needle: str) -> None:
     with pytest.raises(pydantic.ValidationError) as info:

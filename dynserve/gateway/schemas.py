@@ -13,6 +13,8 @@ the server's answers against it).
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, WithJsonSchema
@@ -23,10 +25,24 @@ __all__ = ["ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "Co
 MAX_N = 16
 
 
-def _integral(value: float) -> int:
-    if not value.is_integer():
-        raise ValueError("Input should be a valid integer")
-    return int(value)
+def _integer(ge: int, le: int) -> Callable[[Any], int]:
+    """The JSON number as the integer it is (`5` or `5.0`; never `true`, `"5"` nor `5.5`), within [ge, le]
+    compared exactly: a JSON integer is checked as parsed, never through a float (which rounds: 2**63 would
+    pass a float bound of 2**63 - 1, and -2**63 - 1 become -2**63)."""
+
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError("Input should be a valid integer")
+        if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+            raise ValueError("Input should be a valid integer")
+        number = int(value)
+        if number > le:
+            raise ValueError(f"Input should be less than or equal to {le}")
+        if number < ge:
+            raise ValueError(f"Input should be greater than or equal to {ge}")
+        return number
+
+    return check
 
 
 def _int(ge: int | None = None, le: int | None = None, description: str | None = None) -> Any:
@@ -34,8 +50,7 @@ def _int(ge: int | None = None, le: int | None = None, description: str | None =
     bounded: integers reaching the workers fit the wire's 64 bits, so a larger one is a 400, not a 500."""
     ge = -(2**63) if ge is None else ge
     le = 2**63 - 1 if le is None else le
-    return Annotated[Annotated[int, Field(ge=ge, le=le)]
-                     | Annotated[float, Field(ge=ge, le=le), AfterValidator(_integral)],
+    return Annotated[Any, AfterValidator(_integer(ge, le)),
                      WithJsonSchema({"type": "integer", "minimum": ge, "maximum": le}
                                     | ({"description": description} if description else {}))]
 
