@@ -79,12 +79,17 @@ async def _start_pools(pools: list[tuple[Any, int]]) -> list[Any]:
 
 
 async def _first_workers(pools: list[Any]) -> list[Any]:
-    """Follow mode: the workers serving once the first of any pool serves (the pools' nodes join as the
-    cluster makes them)."""
+    """Follow mode: the workers serving once each serving pool (decode, or aggregated) of the default model has
+    one; every pool keeps following its nodes. A disaggregated gateway cannot answer without a decode worker
+    (its prompts prefill there while the prefill pool has none), so a prefill worker alone is not enough: a
+    decode worker that failed to start while the prefill one served left the gateway with no decode pool to
+    build."""
     print("waiting for the pools' nodes to join and their first worker to serve...", file=sys.stderr, flush=True)
-    started = [asyncio.ensure_future(pool.start(0)) for pool in pools]
-    await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
-    for task in started:
+    default_model = pools[0].settings.model
+    needed = [pool for pool in pools if pool.role != "prefill" and pool.settings.model == default_model]
+    started = {pool: asyncio.ensure_future(pool.start(0)) for pool in pools}
+    await asyncio.gather(*(started[pool] for pool in needed or pools[:1]))
+    for task in started.values():
         if task.done():
             task.result()  # raises what a pool hit
         else:
