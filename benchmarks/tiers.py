@@ -1,7 +1,7 @@
 """KV tiers on long multi-turn chats: TTFT of returning turns and prefill computed, with and without the
 host and disk tiers, on the real model (SmolLM2-135M, two aggregated workers, kv router).
 
-    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.tiers [--quick] [--policies none host host_disk all]
+    PYTHONPATH=$PWD .venv/bin/python -m benchmarks.tiers [--quick] [--policies none host host_disk all device]
 
 The workload (`_tiers_workload.py`, fixed seed): conversations that each open with a long context of their
 own and append the previous answer and a new question every turn, played one turn at a time, round robin
@@ -29,9 +29,12 @@ and the router's prompt blocks hit per medium; every answer; wall time and load 
 `prefill_tokens_saved_ratio` (1 - prefill tokens with `all` / without tiers) and `outputs_identical` (every
 answer equal to `none`'s under greedy decoding; where not, each conversation's first differing turn) and
 `outputs_identical_to_device` (the tiered policies' answers against the control's: reusing a prefix's KV,
-on the device too, may flip a near tie in bf16, which no tier causes; `--dtype float32` narrows that). The
-issue's targets, on the median of 3 full runs: none/host >= 3, none/all >= 4. The mocker variant at a GPU
-profile is not run: the mocker does not model tiers (`mocker: null`, with the reason).
+on the device too, may flip a near tie in bf16, which no tier causes; `--dtype` runs the workers in
+another dtype). A router blind to the tiers places a returning turn by the device blocks alone, so at a
+conversation's first return it may choose the worker without its blocks, which then prefills them: `host`
+and `host_disk` vary from run to run by that first return. The issue's targets, on the median of 3 full
+runs: none/host >= 3, none/all >= 4. The mocker variant at a GPU profile is not run: the mocker does not
+model tiers (`mocker: null`, with the reason).
 
 The last stdout line is the JSON result; a copy goes to `benchmarks/results/tiers-<timestamp>.json` and the
 CDF of returning turns' TTFT per policy next to it (`.png`). `--quick`: 6 conversations of 3 turns on
