@@ -18,7 +18,6 @@ back at full capacity for good.
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks._common import log
+from benchmarks._http import http_get
 from benchmarks._services import Service, http_status
 
 __all__ = ["EventFlow", "Gauges", "Recovery", "StandaloneGateway", "WorkerView", "actor_pid", "counters",
@@ -48,20 +48,6 @@ SAMPLE_INTERVAL_S = 0.2
 
 
 # ---- reading -----------------------------------------------------------------------------------------------
-
-
-def _get(address: str, path: str, timeout_s: float = 3.0) -> str:
-    host, port = address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        body = response.read().decode()
-        if response.status != 200:
-            raise RuntimeError(f"GET {address}{path} answered {response.status}")
-        return body
-    finally:
-        conn.close()
 
 
 @dataclass(frozen=True)
@@ -85,7 +71,7 @@ class Gauges:
 def scrape(address: str, timeout_s: float = 3.0) -> Gauges:
     """Every sample of `address`'s /metrics."""
     samples = []
-    for line in _get(address, "/metrics", timeout_s).splitlines():
+    for line in http_get(address, "/metrics", timeout_s).splitlines():
         found = _SAMPLE.match(line)
         if found is not None:
             labels = dict(_LABEL.findall(found.group(2) or ""))
@@ -122,7 +108,7 @@ def redis_xlen(port: int, key: str) -> int | None:
 
 def worker_addresses(gateway_port: int) -> list[str]:
     """The metrics addresses of the workers the gateway routes to (its Prometheus service discovery)."""
-    groups = json.loads(_get(f"127.0.0.1:{gateway_port}", "/metrics/targets"))
+    groups = json.loads(http_get(f"127.0.0.1:{gateway_port}", "/metrics/targets", timeout_s=3.0))
     return sorted(t for g in groups if g["labels"].get("component") == "worker" for t in g["targets"])
 
 

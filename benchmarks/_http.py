@@ -4,16 +4,33 @@ before the clock starts, and the send time taken when the request bytes are hand
 General-purpose clients spend a millisecond or more of Python per request building it; in a burst of 16
 that piles up on the client side and gets charged to the server. This client measures what the server
 adds. It speaks just enough HTTP for our gateway: a POST with a JSON body, a response with either a
-Content-Length or chunked transfer encoding, and server-sent events inside it.
+Content-Length or chunked transfer encoding, and server-sent events inside it. `http_get`: one blocking GET
+of a small text body (metrics, discovery) for the benchmarks' readers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import time
 from collections.abc import AsyncIterator
 
-__all__ = ["HttpError", "RawConnection", "read_chunked_body"]
+__all__ = ["HttpError", "RawConnection", "http_get", "read_chunked_body"]
+
+
+def http_get(address: str, path: str, timeout_s: float = 10.0) -> str:
+    """The body of `GET path` from `address` (`host:port`, an IPv6 host in brackets); raises on a non-200."""
+    host, _, port = address.rpartition(":")
+    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
+    try:
+        conn.request("GET", path)
+        response = conn.getresponse()
+        body = response.read().decode()
+        if response.status != 200:
+            raise RuntimeError(f"GET {address}{path} answered {response.status}")
+        return body
+    finally:
+        conn.close()
 
 
 async def read_chunked_body(reader: asyncio.StreamReader) -> bytes:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import http.client
 import json
 import os
 import re
@@ -58,7 +57,7 @@ from typing import Any
 
 from benchmarks._common import RESULTS_DIR, git_commit, log, machine_info, write_result
 from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters
-from benchmarks._http import RawConnection
+from benchmarks._http import RawConnection, http_get
 from benchmarks._tiers_report import TurnResult, compare_outputs, headline, plot, summarize_policy
 from benchmarks._tiers_workload import (
     CONTROLS,
@@ -148,27 +147,13 @@ async def _play(port: int, model: str, plan: Plan, conversations: tuple[Conversa
 # ---- metrics ----------------------------------------------------------------------------------------------
 
 
-def _get(address: str, path: str, timeout_s: float = 10.0) -> str:
-    host, _, port = address.rpartition(":")
-    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout_s)
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        body = response.read().decode()
-        if response.status != 200:
-            raise RuntimeError(f"GET {address}{path} answered {response.status}")
-        return body
-    finally:
-        conn.close()
-
-
 def _worker_tier_counters(gateway_port: int) -> dict[str, float]:
     """The workers' tier series summed over the workers, keyed `name` or `name{medium}`."""
-    groups = json.loads(_get(f"127.0.0.1:{gateway_port}", "/metrics/targets"))
+    groups = json.loads(http_get(f"127.0.0.1:{gateway_port}", "/metrics/targets"))
     addresses = [t for g in groups if g["labels"].get("component") == "worker" for t in g["targets"]]
     totals: dict[str, float] = {}
     for address in addresses:
-        for line in _get(address, "/metrics").splitlines():
+        for line in http_get(address, "/metrics").splitlines():
             found = _SAMPLE.match(line)
             if found is None:
                 continue
@@ -192,7 +177,7 @@ def _onboard_ms_per_block(counters: dict[str, float]) -> float | None:
 
 
 def _served_model(port: int) -> str:
-    return json.loads(_get(f"127.0.0.1:{port}", "/v1/models"))["data"][0]["id"]
+    return json.loads(http_get(f"127.0.0.1:{port}", "/v1/models"))["data"][0]["id"]
 
 
 def run_policy(policy: Policy, flags: list[str], plan: Plan, conversations: tuple[Conversation, ...],
