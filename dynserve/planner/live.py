@@ -324,6 +324,7 @@ class PlannerLoop:
     async def _tick(self) -> Decision | None:
         now_s = self.clock()
         waiting = self._waiting_for_worker() if self._waiting_for_worker is not None else 0
+        counted = self._arrivals.read(now_s) if self._arrivals is not None else math.nan  # counted at now_s
         await self.actuator.refresh()  # raises: the round is skipped, the pools keep their size
         current = self.actuator.current()
         try:
@@ -333,10 +334,7 @@ class PlannerLoop:
                 logger.warning("planner: cannot read the fleet's metrics (%s); keeping the pools as they are", exc)
                 return None
             observation = Observation(now_s, {p: PoolObservation(current.get(p, 0)) for p in self.core.pools})
-        rate = observation.request_rate_per_s
-        if self._arrivals is not None:
-            counted = self._arrivals.read(now_s)
-            rate = counted if math.isfinite(counted) else rate
+        rate = counted if math.isfinite(counted) else observation.request_rate_per_s
         serving = self._serving() if self._serving is not None else current
         pools = {p: PoolObservation(serving.get(p, o.num_workers), o.ttft_s, o.itl_s, o.num_waiting, o.num_running,
                                     num_starting=max(0, current.get(p, 0) - serving.get(p, 0)))
