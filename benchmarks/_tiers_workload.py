@@ -13,6 +13,10 @@ Words are drawn from `WORDS`, each one token with its leading space in SmolLM2's
 the list was written), so a text of n words is n tokens; `max_prompt_tokens` bounds a turn's prompt from
 that, the chat template's few tokens per message and the longest answer, and the pool is sized from it.
 Everything is drawn from one seeded RNG: every policy plays the same script.
+
+The mocker part plays the same script and policies against mocker workers at a GPU profile
+(`mocker_flags`): the same device pools in blocks, the tiers in the same blocks, each a profile's block of
+KV bytes (`mocker_block_bytes`) on the host and on disk.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ __all__ = [
     "WORDS",
     "make_conversations",
     "max_prompt_tokens",
+    "mocker_block_bytes",
+    "mocker_flags",
     "policies",
     "policy_flags",
     "size_fleet",
@@ -128,23 +134,26 @@ def size_fleet(plan: Plan, conversations: tuple[Conversation, ...]) -> Sizes:
 class Policy:
     """What a fleet keeps below the device pool, in blocks per worker (0: that tier off), and whether its
     router credits lower-tier hits (False: host and disk hit weights 0, a router blind to the tiers);
-    `device_blocks` replaces the small device pool (None: keep it)."""
+    `device_blocks` replaces the small device pool (None: keep it); `peer_pulls`: workers pull a prefix
+    their peer holds (`--kv-peer-pulls`)."""
 
     name: str
     host_blocks: int
     disk_blocks: int
     tier_aware_router: bool
     device_blocks: int | None = None
+    peer_pulls: bool = False
 
 
 POLICIES = ("none", "host", "host_disk", "all")  # the issue's four, run by default
 CONTROLS = ("device",)  # run when asked: a device pool that holds the whole workload, no tiers
 
 
-def policies(sizes: Sizes) -> dict[str, Policy]:
+def policies(sizes: Sizes, *, peer_pulls: bool = False) -> dict[str, Policy]:
     """The four policies at these sizes. `host` keeps the whole workload on the host tier; `host_disk` and
     `all` keep half a device pool there and the rest on disk (with room to spare); only `all`'s router sees
-    the tiers. (`all` is "host + disk + peer pulls with tier-aware routing" without the pulls, not built.)
+    the tiers, and with `peer_pulls` (the settings have `kv_peer_pulls`) `all` pulls from peers too: the
+    issue's "host + disk + peer pulls with tier-aware routing". Without, `all` runs without the pulls.
     The control `device` has no tiers but a device pool that holds the whole workload: every returning turn
     is a device prefix hit, the best a tier can approach, and its answers show what reusing a prefix's KV
     does to greedy outputs without any tier involved."""
@@ -153,20 +162,36 @@ def policies(sizes: Sizes) -> dict[str, Policy]:
     return {"none": Policy("none", 0, 0, tier_aware_router=False),
             "host": Policy("host", host_all, 0, tier_aware_router=False),
             "host_disk": Policy("host_disk", host_small, host_all, tier_aware_router=False),
-            "all": Policy("all", host_small, host_all, tier_aware_router=True),
+            "all": Policy("all", host_small, host_all, tier_aware_router=True, peer_pulls=peer_pulls),
             "device": Policy("device", 0, 0, tier_aware_router=False, device_blocks=sizes.workload_blocks)}
 
 
 def policy_flags(policy: Policy, sizes: Sizes, *, page_bytes: int, disk_file_bytes: int,
-                 disk_dir: str) -> list[str]:
+                 disk_dir: str | None) -> list[str]:
     """`dynctl serve` flags for `policy`: two aggregated workers behind the kv router, the device pool of
-    `sizes`, and the tiers in bytes (`page_bytes` a block's KV in memory, `disk_file_bytes` its file)."""
+    `sizes`, and the tiers in bytes (`page_bytes` a block's KV in memory, `disk_file_bytes` its file; the
+    disk tier under `disk_dir`, None: the workers' default)."""
     device_blocks = policy.device_blocks or sizes.device_blocks
     flags = ["--workers", "2", "--router", "kv", "--kv-blocks", str(device_blocks)]
     if policy.host_blocks:
         flags += ["--kv-host-bytes", str(policy.host_blocks * page_bytes)]
     if policy.disk_blocks:
-        flags += ["--kv-disk-bytes", str(policy.disk_blocks * disk_file_bytes), "--kv-disk-dir", disk_dir]
+        flags += ["--kv-disk-bytes", str(policy.disk_blocks * disk_file_bytes)]
+        flags += ["--kv-disk-dir", disk_dir] if disk_dir is not None else []
+    if policy.peer_pulls:
+        flags += ["--kv-peer-pulls"]
     if not policy.tier_aware_router:
         flags += ["--router-host-hit-weight", "0", "--router-disk-hit-weight", "0"]
     return flags
+
+
+def mocker_block_bytes(kv_bytes_per_token: int, block_size: int) -> int:
+    """A mocker's block of KV at a profile: what it counts a block as on the host and on disk (the mocker
+    sizes its tiers by `--kv-host-bytes` and `--kv-disk-bytes` over this)."""
+    return kv_bytes_per_token * block_size
+
+
+def mocker_flags(profile: str, speedup: float) -> list[str]:
+    """What makes a policy's fleet a mocker fleet at `profile` (pseudo-random answers, the profile's step and
+    onboarding times divided by `speedup`)."""
+    return ["--mocker", profile, "--mocker-speedup", f"{speedup:g}"]

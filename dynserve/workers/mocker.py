@@ -31,6 +31,11 @@ Invariants:
   as above from the allowed ones), so structured output, its migration and its disaggregation run here too;
   such answers are valid but not plain words.
 - Logprobs are synthetic but well-formed: the chosen token first and most likely, then `k - 1` others.
+- KV tiers (`kv_host_bytes`, `kv_disk_bytes`) are the engine's bookkeeping without pages
+  (`kv_tier_book.TierBook` over `NoPages`, a block taking the profile's KV bytes per token times the block
+  size on the host and on disk): the same moves, `medium`-tagged KV events and `TierStats`. A step that
+  onboarded blocks (at admission, in `schedule`) takes longer by the profile's `onboard_time_ms` of their
+  bytes, divided by `mocker_speedup`, and that time is the tiers' `onboard_s`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import xxhash
 
 from dynserve.config import Settings
 from dynserve.engine.core import EngineCore, ReceivePlan, StepSamples, is_decode
+from dynserve.engine.kv_tier_book import DISK, HOST, NoPages, TierBook, TierPolicy, TierStats
 from dynserve.engine.scheduler import ScheduledBatch
 from dynserve.engine.sequence import Sequence
 from dynserve.errors import KVTransferTimeoutError
@@ -55,7 +61,7 @@ from dynserve.model.tokenizer import Tokenizer
 from dynserve.protocol import SamplingParams, TokenDelta, TokenLogprob
 from dynserve.workers.mocker_profiles import MockerProfile, StepWork, get_profile
 
-__all__ = ["MockEngine", "step_work"]
+__all__ = ["MockEngine", "mock_tiers", "step_work"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +87,19 @@ def step_work(batch: ScheduledBatch) -> StepWork:
     return StepWork(num_prefill, num_pairs, num_decode, num_context)
 
 
+def mock_tiers(settings: Settings, profile: MockerProfile) -> TierBook | None:
+    """The KV tiers `settings` ask for, without pages: a block is the profile's KV bytes per token times the
+    block size, on the host and on disk (None when both sizes are 0 or prefix caching is off)."""
+    policy = TierPolicy(settings.kv_host_bytes, settings.kv_disk_bytes)
+    if not policy.enabled or not settings.enable_prefix_caching:
+        return None
+    stats = TierStats()
+    tiers = TierBook(stats, NoPages.sized(stats, policy, profile.kv_bytes_per_token * settings.block_size))
+    logger.info("KV tiers (mocker, no pages): %d host blocks, %d disk blocks", tiers.num_host_slots,
+                tiers.num_disk_blocks_max)
+    return tiers
+
+
 class MockEngine(EngineCore):
     """An engine whose steps take the profile's time and whose tokens are pseudo-random."""
 
@@ -100,6 +119,7 @@ class MockEngine(EngineCore):
             settings, tokenizer, model_id=model_id_of(path), vocab_size=tokenizer.vocab_size, eos_token_id=None,
             max_model_len=settings.max_model_len or self.profile.max_model_len,
             num_blocks=settings.kv_blocks or self.profile.num_kv_blocks(settings.block_size),
+            kv_tiers=mock_tiers(settings, self.profile),  # type: ignore[arg-type]  # the same book, no pages
         )
         self.speedup = settings.mocker_speedup
         self.simulated_busy_s = 0.0  # the sum of every step's modelled time (after the speedup)
@@ -107,6 +127,7 @@ class MockEngine(EngineCore):
         self._sleep = sleep
         self._step_started_s = 0.0
         self._clock_s = 0.0
+        self._num_onboarded_paid = {HOST: 0, DISK: 0}  # the tiers' onboarded blocks whose time a step took
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, **kwargs: Any) -> str:
@@ -156,8 +177,26 @@ class MockEngine(EngineCore):
             samples.seqs.append(seq)
             samples.token_ids.append(token_id)
             samples.logprobs.append(None if seq.params.logprobs is None else self._logprob(seq, token_id))
-        self._pace(self.profile.step_time_ms(step_work(batch)) / 1e3 / self.speedup)
+        self._pace(self.profile.step_time_ms(step_work(batch)) / 1e3 / self.speedup + self._onboard_time_s())
         return samples
+
+    def _onboard_time_s(self) -> float:
+        """The modelled time of the blocks onboarded since the last step ran (this step's admissions, and a
+        remote-prefilled request's own cached prefix), after the speedup; counted as the tiers'
+        `onboard_s`."""
+        tiers = self.block_manager.tiers
+        if tiers is None:
+            return 0.0
+        onboarded = tiers.stats.num_onboarded
+        num_host, num_disk = (onboarded[m] - self._num_onboarded_paid[m] for m in (HOST, DISK))
+        if not num_host and not num_disk:
+            return 0.0
+        self._num_onboarded_paid = dict(onboarded)
+        block_bytes = self.block_manager.block_size * self.profile.kv_bytes_per_token
+        duration_ms = self.profile.onboard_time_ms(num_host * block_bytes, num_disk * block_bytes)
+        duration_s = duration_ms / 1e3 / self.speedup
+        tiers.stats.onboard_s += duration_s
+        return duration_s
 
     def _pace(self, duration_s: float) -> None:
         """Move the clock to this step's modelled end and, when sleeping, sleep until then (see the module's

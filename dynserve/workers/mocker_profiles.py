@@ -12,9 +12,14 @@ of decoding sequences and C their total context. `fixed_ms` is `prefill_fixed_ms
 `decode_fixed_ms` for a decode-only step and the larger of the two for a mixed one. Each profile also
 carries its KV-cache capacity and scheduler limits, which the mocker uses unless settings override them.
 
+Onboarding from the KV tiers (`kv_host_bytes`, `kv_disk_bytes`) adds to a step the time its onboarded blocks
+take to come back: host-tier bytes over the host link (`kv_host_link_gbps`), disk-tier bytes over the disk's
+read bandwidth (`kv_disk_read_gbps`), one after the other (`onboard_time_ms`).
+
 Every number says where it comes from next to it: `cpu` was fitted to our engine measured on this machine
 (`benchmarks/mocker_profile.py`); the H100 profiles are derived from the H100 SXM datasheet and each
-model's shape, with stated efficiency factors, and cross-checked against published measurements.
+model's shape, with stated efficiency factors, and cross-checked against published measurements. The tiers'
+bandwidths are estimates from datasheets (PCIe, NVMe), stated as such beside each profile.
 
 Invariants: every coefficient is >= 0, so more work never takes less time; profiles are immutable.
 """
@@ -55,10 +60,18 @@ class MockerProfile:
     max_num_batched_tokens: int
     kv_transfer_gbps: float  # KV bytes a decode worker reads from a prefill worker per second (1e9 B/s)
     kv_transfer_fixed_ms: float  # per read: posting it, completion, the release message
+    kv_host_link_gbps: float  # KV bytes per second (1e9 B/s) onboarded from the host tier into the KV cache
+    kv_disk_read_gbps: float  # KV bytes per second (1e9 B/s) onboarded from the disk tier into the KV cache
 
     def transfer_time_ms(self, size_bytes: int) -> float:
         """Modelled wall time of reading `size_bytes` of KV pages from a prefill worker."""
         return self.kv_transfer_fixed_ms + size_bytes / (self.kv_transfer_gbps * 1e9) * 1e3
+
+    def onboard_time_ms(self, num_host_bytes: int, num_disk_bytes: int) -> float:
+        """Modelled wall time of onboarding `num_host_bytes` from the host tier and `num_disk_bytes` from the
+        disk tier (the two one after the other; no fixed cost, so 0 for no bytes)."""
+        host_s = num_host_bytes / (self.kv_host_link_gbps * 1e9)
+        return (host_s + num_disk_bytes / (self.kv_disk_read_gbps * 1e9)) * 1e3
 
     def step_time_ms(self, work: StepWork) -> float:
         """Modelled wall time of one step; 0 for a step that computes nothing."""
@@ -103,6 +116,12 @@ CPU = MockerProfile(
     # batches at 3-5 GB/s (0.7-0.8x of a memcpy); about 0.5 ms per read for posting and completion.
     kv_transfer_gbps=4.0,
     kv_transfer_fixed_ms=0.5,
+    # KV tiers on this CPU (the host tier is another pool in the same memory): benchmarks.tiers measured
+    # 0.03-0.04 ms to copy a 368,640-byte bf16 block of SmolLM2 back from the host tier (about 10 GB/s, a
+    # memcpy; docs/benchmarks.md, tiers). The disk tier's read (a file in the page cache, a checksum, the
+    # copy) was not timed whole there: 2 GB/s is an estimate.
+    kv_host_link_gbps=10.0,
+    kv_disk_read_gbps=2.0,
 )
 
 # ---- H100 profiles: derived from specs, cross-checked with published figures ----------------------------
@@ -123,6 +142,13 @@ CPU = MockerProfile(
 # through one 400 Gb/s ConnectX-7 NIC per GPU (the DGX H100 design): 50 GB/s per GPU at line rate, taken at
 # 80% = 40 GB/s per GPU, the TP ranks reading their own KV shards in parallel; plus about 1 ms per read for
 # posting, completion and the release message.
+# KV tiers (estimates, from datasheets; nothing here was measured on a GPU): the host tier is pinned host
+# memory, onboarded by a copy over each GPU's own PCIe Gen5 x16 link: 64 GB/s per direction on paper
+# (32 GT/s x 16 lanes, 128b/130b), about 50 GB/s effective for large pinned host-to-device copies, per GPU,
+# the TP ranks copying their own KV shards in parallel (the host's DDR5, several hundred GB/s a socket, is
+# not the limit at 4 GPUs). The disk tier is one NVMe PCIe Gen4 x4 data drive per worker (a DGX H100's
+# data drives are PCIe Gen4 U.2 NVMe; such drives' datasheets give 6.5-7 GB/s sequential read), read at
+# 6 GB/s: blocks are MBs each, read whole, and the hop on to the GPU is faster and overlaps the read.
 
 # Llama-3.1-8B-Instruct, BF16, TP1: 8.03e9 params (16.06 GB), 32 layers, 32 heads x 128, 8 KV heads.
 #   fixed:   16.06e9 / 2.51e12                  = 6.39 ms
@@ -150,6 +176,8 @@ LLAMA_8B_H100 = MockerProfile(
     max_num_batched_tokens=8192,
     kv_transfer_gbps=40.0,  # see "KV transfer" above
     kv_transfer_fixed_ms=1.0,
+    kv_host_link_gbps=50.0,  # see "KV tiers" above: one PCIe Gen5 x16 link (estimate)
+    kv_disk_read_gbps=6.0,  # one NVMe Gen4 drive (estimate)
 )
 
 # Llama-3.1-70B-Instruct, BF16, TP4: 70.6e9 params (141.1 GB, 35.3 GB per GPU), 80 layers, 64 heads x 128,
@@ -180,6 +208,8 @@ LLAMA_70B_H100_TP4 = MockerProfile(
     max_num_batched_tokens=8192,
     kv_transfer_gbps=160.0,  # see "KV transfer" above: 4 GPUs, each over its own NIC
     kv_transfer_fixed_ms=1.0,
+    kv_host_link_gbps=200.0,  # see "KV tiers" above: 4 GPUs, each over its own PCIe Gen5 x16 link (estimate)
+    kv_disk_read_gbps=6.0,  # one NVMe Gen4 drive for the worker (estimate)
 )
 
 PROFILES: dict[str, MockerProfile] = {p.name: p for p in (CPU, LLAMA_8B_H100, LLAMA_70B_H100_TP4)}
