@@ -238,6 +238,17 @@ class Settings(BaseSettings):
     router_disk_hit_weight: float = Field(
         0.5, ge=0, le=1, description="kv router: a prompt block a worker holds in its disk KV tier counts as "
         "this fraction of a device-tier hit", json_schema_extra=_CLUSTER)
+    kv_peer_pulls: bool = Field(
+        False, description="peer pulls: when the kv router sends a prompt to a worker other than the one "
+        "holding most of its prefix (that one is busier), the chosen worker reads the blocks it lacks from the "
+        "holder's cache (any tier) over the KV transfer backend and prefills only the rest; a failed pull "
+        "prefills them. Aggregated pools of dynserve's engine", json_schema_extra=_CLUSTER)
+    router_pull_hit_weight: float = Field(
+        0.8, ge=0, le=1, description="kv router with kv_peer_pulls: a prompt block another worker holds, "
+        "which the chosen worker would pull, counts as this fraction of a hit of its own", json_schema_extra=_CLUSTER)
+    kv_pull_min_blocks: int = Field(
+        4, ge=1, description="kv router with kv_peer_pulls: pull only when the holder has at least this many "
+        "more of the prompt's blocks than the chosen worker (fewer are prefilled)", json_schema_extra=_CLUSTER)
     router_approx_ttl_s: float = Field(
         120.0, gt=0, description="approximate router: forget a prompt's blocks this long after it last "
         "routed them", json_schema_extra=_CLUSTER)

@@ -134,7 +134,9 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What one engine step produced for one request. `text` is the newly completed text (never half a
     UTF-8 character); usage counts are cumulative. `kv_handle` is set on the one delta that ends a
     prefill-only request; `kv_fallback` on a decode worker's first delta when it could not use the
-    transferred KV and prefilled locally (the reason: "transfer_error", "transfer_timeout", "no_blocks", "lease_expired")."""
+    transferred KV and prefilled locally (the reason: "transfer_error", "transfer_timeout", "no_blocks", "lease_expired").
+    A request that pulled its prefix from a peer (`GenerateRequest.peer_prefix`) says on its first delta how
+    many blocks it read (`kv_pulled_blocks`), or why it read none (`kv_fallback`)."""
 
     request_id: str
     token_ids: list[int]
@@ -147,6 +149,7 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_output_tokens: int = 0
     kv_handle: KVHandle | None = None
     kv_fallback: str | None = None
+    kv_pulled_blocks: int = 0
 
 
 # ---- the worker channel ---------------------------------------------------------------------------------
@@ -165,13 +168,21 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
 class GenerateRequest(msgspec.Struct, tag="generate", kw_only=True, omit_defaults=True):
     """Run `token_ids` (already tokenized and templated by the gateway) with `params`. `prefill_only`: stop
     after the first token and hold the prompt's KV for a decode worker; `remote_prefill`: the prompt was
-    prefilled elsewhere: read its KV and continue from the first token."""
+    prefilled elsewhere: read its KV and continue from the first token.
+
+    Peer pulls (`Settings.kv_peer_pulls`): `export_prefix` asks a worker for the KV it caches of
+    `token_ids` (whole blocks, from any of its tiers) without computing anything: its one delta (finished,
+    reason "exported") carries a `KVHandle` of the leading blocks it holds, under a lease, or none; a
+    `ReleaseRequest` frees them. `peer_prefix` hands another worker such a handle: it reads the blocks it
+    does not cache itself and prefills only the rest (a failed read: it prefills them too)."""
 
     request_id: str
     token_ids: list[int]
     params: SamplingParams
     prefill_only: bool = False
     remote_prefill: RemotePrefill | None = None
+    export_prefix: bool = False
+    peer_prefix: KVHandle | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort"):

@@ -35,7 +35,7 @@ UIDS = {"dynserve-overview", "dynserve-router", "dynserve-workers", "dynserve-di
 GATEWAY_COUNTERS = {
     "dynserve_requests_total", "dynserve_generated_tokens_total", "dynserve_cached_prompt_tokens_total",
     "dynserve_rejected_requests_total", "dynserve_gateway_retries_total", "dynserve_disagg_requests_total",
-    "dynserve_disagg_fallbacks_total", "dynserve_router_routed_requests_total", "dynserve_router_hot_spot_picks_total",
+    "dynserve_disagg_fallbacks_total", "dynserve_kv_pulls_total", "dynserve_router_routed_requests_total", "dynserve_router_hot_spot_picks_total",
     "dynserve_router_prompt_blocks_total", "dynserve_router_prompt_hit_blocks_total",
 }
 GATEWAY_GAUGES = {
@@ -65,6 +65,8 @@ WORKER_COUNTERS = {
     "dynserve_worker_kv_tier_dropped_blocks_total", "dynserve_worker_kv_onboard_bytes_total",
     "dynserve_worker_kv_onboard_seconds_total", "dynserve_worker_kv_disk_write_bytes_total",
     "dynserve_worker_kv_disk_read_bytes_total", "dynserve_worker_kv_disk_corrupt_files_total",
+    "dynserve_worker_kv_pull_bytes_total", "dynserve_worker_kv_pull_seconds_total",
+    "dynserve_worker_kv_pull_reads_total", "dynserve_worker_kv_pull_failures_total",
 }
 WORKER_GAUGES = {
     "dynserve_worker_waiting_requests", "dynserve_worker_running_requests", "dynserve_worker_kv_blocks_used",

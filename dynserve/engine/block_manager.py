@@ -120,6 +120,24 @@ class BlockManager:
         seq.num_registered_blocks = num_reused
         return True
 
+    def hold_prefix(self, seq: Sequence) -> int:
+        """Hold the leading blocks of `seq` this cache has, on the device or in a lower tier (onboarded into
+        free device blocks while there are any), every one of them: nothing of `seq` is computed here, a
+        peer reads them (`GenerateRequest.export_prefix`). Sets `seq.block_table` to them; `free(seq)` lets
+        them go (they stay cached). Returns how many."""
+        assert not seq.block_table, "sequence already holds blocks"
+        hit_ids = self._match_prefix(seq, whole=True)
+        for block_id in hit_ids:
+            self._ref(block_id)
+        lower_hashes = self._match_lower(seq, len(hit_ids), whole=True) if self.tiers is not None else []
+        claims = self._claim(lower_hashes[:self.num_free_blocks]) if lower_hashes else []
+        seq.block_table = hit_ids + [self._take_block() for _ in claims]
+        if claims:
+            self._onboard(seq, len(hit_ids), claims)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+        seq.num_registered_blocks = len(seq.block_table)
+        return len(seq.block_table)
+
     def ensure_slots(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq.block_table` to hold `num_tokens` tokens; False (nothing changed) if blocks run out."""
         num_new = self.blocks_needed(num_tokens) - len(seq.block_table)
@@ -165,8 +183,9 @@ class BlockManager:
 
     # ---- prefix cache ---------------------------------------------------------------------------------
 
-    def _match_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids of the longest cached prefix of `seq`, confirmed token by token."""
+    def _match_prefix(self, seq: Sequence, whole: bool = False) -> list[int]:
+        """Block ids of the longest cached prefix of `seq`, confirmed token by token; short of the last token
+        unless `whole`."""
         if not self.enable_prefix_caching:
             return []
         seq.update_block_hashes(self.block_size, self.hash_salt)
@@ -179,13 +198,13 @@ class BlockManager:
             if self.blocks[block_id].token_ids != tuple(seq.token_ids[start : start + self.block_size]):
                 break  # a hash collision: never serve another prefix's KV
             hit_ids.append(block_id)
-        if hit_ids and len(hit_ids) * self.block_size >= seq.num_tokens:
+        if hit_ids and len(hit_ids) * self.block_size >= seq.num_tokens and not whole:
             hit_ids.pop()  # the last token must be computed to produce logits
         return hit_ids
 
-    def _match_lower(self, seq: Sequence, start: int) -> list[BlockHash]:
+    def _match_lower(self, seq: Sequence, start: int, whole: bool = False) -> list[BlockHash]:
         """Hashes of the blocks after `seq`'s first `start` (its device hits) that the tiers hold, in chain
-        order, confirmed token by token, leaving at least the last token to compute."""
+        order, confirmed token by token, leaving at least the last token to compute unless `whole`."""
         assert self.tiers is not None
         if not self.enable_prefix_caching:
             return []
@@ -196,7 +215,7 @@ class BlockManager:
             if self.tiers.find(seq.block_hashes[i], token_ids) is None:
                 break
             hashes.append(seq.block_hashes[i])
-        if hashes and (start + len(hashes)) * self.block_size >= seq.num_tokens:
+        if hashes and (start + len(hashes)) * self.block_size >= seq.num_tokens and not whole:
             hashes.pop()
         return hashes
 

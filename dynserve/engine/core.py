@@ -18,6 +18,14 @@ Disaggregated serving (see `protocol.py`) has two more kinds of request:
   which of its own. `complete_receive` then starts decoding from the first token, or, when the read failed,
   queues the request to prefill here; either way the request's first delta (the first token) comes then.
 
+Peer pulls (`Settings.kv_peer_pulls`) reuse both halves:
+- `export_prefix` holds the leading blocks of a prompt this engine caches, on any tier (lower tiers are
+  onboarded), under a lease as a prefill-only request's, computing nothing, and returns a `KVHandle` of them;
+- a request added with `peer` (such a handle from another worker) allocates as usual (its own prefix first)
+  and hands the worker a `ReceivePlan` for the handle's blocks past its own; `complete_receive` then counts
+  them as computed (cached tokens) and the request prefills only the rest, or, when the read failed,
+  prefills them too. Its first delta says how many blocks it pulled (`kv_pulled_blocks`) or why none.
+
 Structured output (`structured.py`): a request with a grammar gets its matcher when it is added, fed the
 prompt's last `grammar.num_prior_tokens` tokens (a migrated request's earlier output) and, on a decode
 worker, the prefill worker's first token; each appended token advances it, and the request finishes with
@@ -110,6 +118,7 @@ class ReceivePlan:
     remote_block_ids: list[int]
     local_block_ids: list[int]
     fallback: str | None = None
+    pull: bool = False  # a peer pull (its source exported a prefix), not a prefill worker's handle
 
 
 @dataclass(slots=True)
@@ -118,12 +127,16 @@ class _Request:
     output: OutputText
     stop_token_ids: frozenset[int]
     prefill_only: bool = False
+    # a peer pull's outcome, said on the request's first delta: blocks read, or why none were
+    pulled_blocks: int = 0
+    pull_fallback: str | None = None
 
 
 @dataclass(slots=True)
 class _Receiving:
     request: _Request
     aborted: bool = False
+    pulled_blocks: int = 0  # > 0: a peer pull of this many blocks (the request prefills the rest after it)
 
 
 class EngineCore(abc.ABC):
@@ -175,10 +188,10 @@ class EngineCore(abc.ABC):
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None, *,
-        prefill_only: bool = False, remote: RemotePrefill | None = None,
+        prefill_only: bool = False, remote: RemotePrefill | None = None, peer: KVHandle | None = None,
     ) -> str:
-        """Queue a request (text or token ids). Raises InvalidRequestError for bad input. `prefill_only` and
-        `remote`: see the module's docstring."""
+        """Queue a request (text or token ids). Raises InvalidRequestError for bad input. `prefill_only`,
+        `remote` and `peer`: see the module's docstring."""
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -200,6 +213,8 @@ class EngineCore(abc.ABC):
                            prefill_only=prefill_only and remote is None)
         if remote is not None:
             self._add_remote(request, remote)
+        elif peer is not None and peer.worker_id != self.kv_source_id and self._add_pull(request, peer):
+            pass
         else:
             self.scheduler.add(seq)
             self._requests[request_id] = request
@@ -236,6 +251,53 @@ class EngineCore(abc.ABC):
             seq.request_id, handle.worker_id, handle.agent_name, handle.block_ids[first:],
             seq.block_table[first:len(handle.block_ids)]))
 
+    def _add_pull(self, request: _Request, handle: KVHandle) -> bool:
+        """Start `request` by reading the blocks of its prompt that `handle` (a peer's export) holds past this
+        engine's own prefix; False (nothing changed) when there is nothing to read or no room, so it is
+        queued as usual."""
+        seq, blocks = request.seq, self.block_manager
+        self.scheduler.check_fits(seq)
+        num_blocks = min(len(handle.block_ids), handle.num_tokens // blocks.block_size,
+                         (seq.num_prompt_tokens - 1) // blocks.block_size)  # the last token is computed here
+        if not blocks.enable_prefix_caching or num_blocks <= 0 or time.time() > handle.lease_ends_unix_s - LEASE_MARGIN_S:
+            request.pull_fallback = "lease_expired" if num_blocks > 0 and blocks.enable_prefix_caching else None
+            return False
+        if not blocks.allocate(seq, self.scheduler.num_reserved_blocks if self.scheduler.running else 0):
+            request.pull_fallback = "no_blocks"
+            return False
+        first = seq.num_computed_tokens // blocks.block_size  # blocks this engine already caches
+        if first >= num_blocks:  # it holds them all itself: an ordinary request
+            blocks.free(seq)
+            return False
+        self.scheduler.num_queried_prompt_tokens += seq.num_tokens
+        self.scheduler.num_cached_prompt_tokens += seq.num_computed_tokens
+        self._receiving[seq.request_id] = _Receiving(request, pulled_blocks=num_blocks - first)
+        self._receive_plans.append(ReceivePlan(
+            seq.request_id, handle.worker_id, handle.agent_name, handle.block_ids[first:num_blocks],
+            seq.block_table[first:num_blocks], pull=True))
+        return True
+
+    def export_prefix(self, request_id: str, token_ids: list[int]) -> TokenDelta:
+        """Hold the leading blocks of `token_ids` that this engine caches (any tier) under a lease for a peer to
+        read, as a prefill-only request's (`release`, `abort`, `expire_leases` free them), computing nothing.
+        The one delta, finished with reason "exported", carries their `KVHandle`, or none when this engine
+        holds no block of the prompt."""
+        if request_id in self._requests or request_id in self._receiving or request_id in self._leases:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self._check_prompt(token_ids)
+        seq = Sequence(request_id, list(token_ids), SamplingParams(max_tokens=1))
+        num_blocks = self.block_manager.hold_prefix(seq)
+        handle = None
+        if num_blocks:
+            lease_s = self.settings.kv_lease_s
+            self._leases[request_id] = (seq, time.monotonic() + lease_s)
+            handle = KVHandle(worker_id=self.kv_source_id, agent_name=self.kv_agent_name,
+                              block_ids=list(seq.block_table), num_tokens=num_blocks * self.block_manager.block_size,
+                              lease_ends_unix_s=time.time() + lease_s)
+        return TokenDelta(request_id=request_id, token_ids=[], finished=True, finish_reason="exported",
+                          num_prompt_tokens=len(token_ids), num_cached_tokens=num_blocks * self.block_manager.block_size,
+                          kv_handle=handle)
+
     def drain_receives(self) -> list[ReceivePlan]:
         """The reads requested since the last call (each ends with one `complete_receive`)."""
         plans, self._receive_plans = self._receive_plans, []
@@ -252,6 +314,8 @@ class EngineCore(abc.ABC):
             if seq.block_table:
                 self.block_manager.free(seq)
             return None
+        if entry.pulled_blocks:
+            return self._complete_pull(entry, failure)
         if failure is None:
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.register_computed_blocks(seq)
@@ -264,6 +328,28 @@ class EngineCore(abc.ABC):
         token_id = seq.output_token_ids[0]
         logprob = seq.output_logprobs[0] if seq.output_logprobs else None
         return self._emit(entry.request, token_id, logprob, kv_fallback=failure)
+
+    def _complete_pull(self, entry: _Receiving, failure: str | None) -> None:
+        """A peer pull's read ended: its blocks count as computed (and cached) and the request prefills the
+        rest, or, after a failure, everything its own cache does not hold. Its first delta comes from a step."""
+        request = entry.request
+        seq, blocks = request.seq, self.block_manager
+        if failure is None:
+            num_pulled = entry.pulled_blocks
+            seq.num_computed_tokens += num_pulled * blocks.block_size
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.scheduler.num_cached_prompt_tokens += num_pulled * blocks.block_size
+            blocks.register_computed_blocks(seq)
+            request.pulled_blocks = num_pulled
+            self.scheduler.add_running(seq)
+        else:
+            self.scheduler.num_queried_prompt_tokens -= seq.num_tokens  # counted again at admission
+            self.scheduler.num_cached_prompt_tokens -= seq.num_computed_tokens
+            blocks.free(seq)  # what landed is not trusted: compute it here (its own prefix is found again)
+            request.pull_fallback = failure
+            self.scheduler.add(seq)
+        self._requests[seq.request_id] = request
+        return None
 
     @property
     def num_receiving(self) -> int:
@@ -410,6 +496,10 @@ class EngineCore(abc.ABC):
             text += output.finish()
             self.scheduler.finish(seq, reason)
             del self._requests[seq.request_id]
+        pulled_blocks = request.pulled_blocks
+        if pulled_blocks or request.pull_fallback is not None:  # a pull's outcome, on the first delta only
+            kv_fallback = kv_fallback or request.pull_fallback
+            request.pulled_blocks, request.pull_fallback = 0, None
         return TokenDelta(
             request_id=seq.request_id,
             token_ids=[] if broke_grammar else [token_id],  # a migration continues from the tokens before it
@@ -421,6 +511,7 @@ class EngineCore(abc.ABC):
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=num_output_tokens,
             kv_fallback=kv_fallback,
+            kv_pulled_blocks=pulled_blocks,
         )
 
     def _park(self, request: _Request, token_id: int, logprob: TokenLogprob | None, text: str) -> TokenDelta:
@@ -438,6 +529,7 @@ class EngineCore(abc.ABC):
             request_id=seq.request_id, token_ids=[token_id], text=text, finished=True, finish_reason="prefilled",
             logprobs=None if logprob is None else [logprob], num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, kv_handle=handle,
+            kv_fallback=request.pull_fallback, kv_pulled_blocks=request.pulled_blocks,
         )
 
     # ---- convenience ----------------------------------------------------------------------------------

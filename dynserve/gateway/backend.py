@@ -100,6 +100,10 @@ class BackendObserver:
     def on_disagg(self, path: str) -> None:
         """Where a disaggregated request was prefilled (`disagg.prefill_path`)."""
 
+    def on_pull(self, outcome: str) -> None:
+        """A peer pull was tried (`dispatcher.pull_outcome`'s outcomes, or `export_failed`, `nothing_held`
+        when the holder gave no blocks to read)."""
+
     def on_fallback(self, reason: str) -> None:
         """A disaggregated request prefilled on its decode worker after all (`prefill_failed`, or the decode
         worker's read failure)."""

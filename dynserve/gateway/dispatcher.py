@@ -8,11 +8,21 @@ request migrates: another worker continues it from the prompt plus the tokens al
 stream goes on with no gap and no repeat, its usage counted over both (at most `migration_limit` times). A
 prefill-only request (the first half of a disaggregated one) does not migrate: its caller falls back.
 
+Peer pulls (`Settings.kv_peer_pulls`, the router's `Decision.pull_from`): when the router picks a worker other
+than the one holding the prompt's longest prefix, the dispatcher first asks the holder to export that prefix
+(`GenerateRequest.export_prefix`: its blocks held under a lease, nothing computed; at most
+`EXPORT_TIMEOUT_S`), then sends the request to the chosen worker with the handle (`peer_prefix`): it reads
+the blocks it lacks from the holder and prefills the rest. The holder is told to release them once the chosen
+worker's first delta shows the read is over, or the attempt ends, exactly once. A holder that cannot export
+(gone, busy past the timeout, its blocks evicted meanwhile) costs the pull, not the request: the chosen
+worker prefills, as it does after a failed read. Each outcome is counted (`BackendObserver.on_pull`).
+
 A `Dispatcher` is also the aggregated `Backend`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections import Counter
@@ -24,12 +34,23 @@ import msgspec
 from dynserve.errors import WorkerUnavailableError
 from dynserve.gateway.backend import BackendObserver, WorkerChannel
 from dynserve.gateway.directory import WorkerDirectory
-from dynserve.protocol import GenerateRequest, KVSnapshot, TokenDelta, WorkerInfo
+from dynserve.protocol import GenerateRequest, KVHandle, KVSnapshot, SamplingParams, TokenDelta, WorkerInfo
 from dynserve.router.router import Router
 
-__all__ = ["Backend", "Dispatcher"]
+__all__ = ["EXPORT_TIMEOUT_S", "Backend", "Dispatcher", "pull_outcome"]
 
 logger = logging.getLogger(__name__)
+
+EXPORT_TIMEOUT_S = 2.0  # a holder that takes longer to export a prefix (busy in a long step) is not pulled from
+
+
+def pull_outcome(delta: TokenDelta) -> str:
+    """What became of a peer pull, from the chosen worker's first delta: `pulled`, the reason it read nothing
+    (`transfer_error`, `transfer_timeout`, `no_blocks`, `lease_expired`), or `not_needed` (its own cache held
+    the blocks by the time the request arrived)."""
+    if delta.kv_pulled_blocks:
+        return "pulled"
+    return delta.kv_fallback or "not_needed"
 
 
 class Backend(Protocol):
@@ -119,13 +140,52 @@ class Dispatcher:
     def pick_with_overlap(self, exclude: set[str],
                           token_ids: list[int] | None = None) -> tuple[WorkerChannel | None, int]:
         """`pick`, and how many of the prompt's blocks the chosen worker caches (0 when no router knows)."""
+        channel, overlap, _pull = self._pick(exclude, token_ids)
+        return channel, overlap
+
+    def _pick(self, exclude: set[str], token_ids: list[int] | None
+              ) -> tuple[WorkerChannel | None, int, tuple[WorkerChannel, int] | None]:
+        """`pick_with_overlap`, and the holder to pull the prompt's prefix from with the blocks it holds,
+        when the router says so and both workers can (dynserve's engine, the same block size)."""
         candidates = self.directory.open_channels(exclude)
         if not candidates:
-            return None, 0
+            return None, 0, None
         if self.router is not None and token_ids is not None and (len(candidates) > 1 or self.pool == "prefill"):
-            chosen, overlap = self.router.pick(token_ids, [c.worker_id for c in candidates], self.directory.loads)
-            return self.directory.channels[chosen], overlap
-        return min(candidates, key=self.directory.pending), 0
+            decision = self.router.decide(token_ids, [c.worker_id for c in candidates], self.directory.loads)
+            chosen = self.directory.channels[decision.worker_id]
+            pull = None
+            if decision.pull_from is not None:
+                holder = self.directory.channels.get(decision.pull_from)
+                if (holder is not None and holder.info.engine == chosen.info.engine == "dynserve"
+                        and holder.info.block_size == chosen.info.block_size):
+                    pull = (holder, decision.pull_blocks)
+            return chosen, decision.overlap_blocks, pull
+        return min(candidates, key=self.directory.pending), 0, None
+
+    async def _export(self, request: GenerateRequest, holder: WorkerChannel, num_blocks: int) -> KVHandle | None:
+        """Ask `holder` to hold the first `num_blocks` blocks of `request`'s prompt for a peer to read; their
+        handle, or None (it holds none of them now, fails, or takes over `EXPORT_TIMEOUT_S`: counted)."""
+        export = GenerateRequest(request_id=f"{request.request_id}/export", export_prefix=True,
+                                 token_ids=request.token_ids[:num_blocks * holder.info.block_size],
+                                 params=SamplingParams(max_tokens=1))
+        handle = None
+        try:
+            async with asyncio.timeout(EXPORT_TIMEOUT_S):
+                async with contextlib.aclosing(holder.generate(export)) as stream:
+                    async for delta in stream:
+                        handle = delta.kv_handle or handle
+        except (WorkerUnavailableError, TimeoutError) as exc:
+            logger.warning("request %s: worker %s could not export its prefix (%s); prefilling it instead",
+                           request.request_id, holder.worker_id, exc or "timed out")
+            if handle is not None:  # it came, but the stream's end did not
+                self.release(holder.worker_id, export.request_id)
+            for observer in self.observers:
+                observer.on_pull("export_failed")
+            return None
+        if handle is None:
+            for observer in self.observers:
+                observer.on_pull("nothing_held")
+        return handle
 
     def release(self, worker_id: str, request_id: str) -> None:
         """Tell a member to free what it holds for `request_id` (a prefill's KV); harmless when it is gone."""
@@ -145,11 +205,22 @@ class Dispatcher:
         num_migrations, current = 0, request
         num_cached: int | None = None
         while True:
-            channel, first = first or self.pick(tried, current.token_ids), None
+            pull = None
+            if first is None:
+                channel, _overlap, pull = self._pick(tried, current.token_ids)
+            else:
+                channel, first = first, None
             if channel is None:
                 raise WorkerUnavailableError(
                     f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
                 )
+            to_send, exported = current, None
+            if pull is not None and current is request and not request.remote_prefill:
+                holder, num_blocks = pull
+                handle = await self._export(request, holder, num_blocks)
+                if handle is not None:
+                    to_send = msgspec.structs.replace(current, peer_prefix=handle)
+                    exported = (holder.worker_id, f"{request.request_id}/export")
             started, base = False, len(sent) if current is not request else 0
             self.num_routed[channel.worker_id] += 1
             if self.router is not None:
@@ -158,9 +229,14 @@ class Dispatcher:
                                    (len(current.token_ids) + current.params.max_tokens) // block_size + 1)
             reason: str | None = None
             try:
-                async with contextlib.aclosing(channel.generate(current)) as stream:
+                async with contextlib.aclosing(channel.generate(to_send)) as stream:
                     async for delta in stream:
                         started = True
+                        if exported is not None:  # the chosen worker's read is over: the holder may let go
+                            self.release(*exported)
+                            exported = None
+                            for observer in self.observers:
+                                observer.on_pull(pull_outcome(delta))
                         if current is not request:  # a continuation: its usage as the client's request sees it
                             delta = msgspec.structs.replace(
                                 delta, num_prompt_tokens=len(request.token_ids), num_cached_tokens=num_cached or 0,
@@ -191,6 +267,8 @@ class Dispatcher:
                     raise
                 reason = "worker_failed"
             finally:
+                if exported is not None:
+                    self.release(*exported)
                 if self.router is not None:
                     self.router.finished(request.request_id)
             num_migrations += 1

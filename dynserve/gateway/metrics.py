@@ -43,6 +43,8 @@ _TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 1638
 _REJECT_REASONS = ("not_ready", "queue_full", "overloaded")
 _ENDPOINTS = ("chat/completions", "completions")
 _DISAGG_FALLBACK_REASONS = ("prefill_failed", "transfer_error", "transfer_timeout", "no_blocks", "lease_expired")
+_PULL_OUTCOMES = ("pulled", "not_needed", "export_failed", "nothing_held", "transfer_error", "transfer_timeout",
+                  "no_blocks", "lease_expired")
 
 
 def observe_many(histogram: Any, amount: float, count: int) -> None:
@@ -119,6 +121,14 @@ class GatewayMetrics(BackendObserver):
             "dynserve_disagg_fallbacks", "Disaggregated serving: requests prefilled on their decode worker after "
             "the remote prefill failed (prefill_failed) or its KV could not be read (transfer_error, "
             "transfer_timeout, no_blocks, lease_expired)", ["reason"], registry=registry)
+        self.kv_pulls = Counter(
+            "dynserve_kv_pulls", "Peer pulls (kv_peer_pulls): requests whose worker was to read its prompt's "
+            "prefix from another worker's cache, by outcome (pulled; not_needed: its own cache held it by then; "
+            "export_failed, nothing_held: the holder gave nothing to read; transfer_error, transfer_timeout, "
+            "no_blocks, lease_expired: the read did not happen or failed). All but pulled prefill instead",
+            ["outcome"], registry=registry)
+        for outcome in _PULL_OUTCOMES:
+            self.kv_pulls.labels(outcome)
         self.worker_up = Gauge("dynserve_gateway_worker_up", "1 while the gateway's channel to the worker is "
                                "open, 0 while it is down", ["worker_id", "role"], registry=registry)
 
@@ -223,6 +233,9 @@ class GatewayMetrics(BackendObserver):
 
     def on_fallback(self, reason: str) -> None:
         self.disagg_fallbacks.labels(reason).inc()
+
+    def on_pull(self, outcome: str) -> None:
+        self.child(self.kv_pulls, outcome).inc()
 
 
 class RouterSeries:

@@ -305,7 +305,8 @@ def _workers_panels() -> list[PanelBuilder]:
 
 def _kv_tier_panels() -> list[PanelBuilder]:
     """The workers dashboard's KV tiers row: blocks per medium, the router's hits per medium, moves between
-    tiers, onboard time and bytes. Every worker exports the tier series (at 0 without tiers)."""
+    tiers, onboard time and bytes, peer pulls. Every worker exports the tier and pull series (at 0 without
+    tiers or pulls)."""
     blocks, capacity = "dynserve_worker_kv_tier_blocks", "dynserve_worker_kv_tier_blocks_capacity"
     onboarded = "dynserve_worker_kv_tier_onboarded_blocks_total"
 
@@ -346,6 +347,16 @@ def _kv_tier_panels() -> list[PanelBuilder]:
                [(per_worker("dynserve_worker_kv_onboard_bytes_total"), "{{worker_id}} onboarded"),
                 (per_worker("dynserve_worker_kv_disk_write_bytes_total"), "{{worker_id}} disk write"),
                 (per_worker("dynserve_worker_kv_disk_read_bytes_total"), "{{worker_id}} disk read")]),
+        _graph("Peer pulls/s", "Prompt prefixes the router had a worker read from a busier peer's cache "
+               "(--kv-peer-pulls), by outcome at the gateway (pulled, or why the worker prefilled instead), and "
+               "the workers' pull reads that failed, by reason.", "ops",
+               [(_sum_rate("dynserve_kv_pulls_total", by="outcome"), "{{outcome}}"),
+                (per_worker("dynserve_worker_kv_pull_failures_total", "reason"), "read failed: {{reason}}")]),
+        _graph("Pull bandwidth", "KV bytes each worker pulled from its peers' caches.", "Bps",
+               [(per_worker("dynserve_worker_kv_pull_bytes_total"), "{{worker_id}}")]),
+        _graph("Pull time (mean)", "Mean time of one prefix pull's read, per reading worker.", "s",
+               [(f"{per_worker('dynserve_worker_kv_pull_seconds_total')} / "
+                 f"{per_worker('dynserve_worker_kv_pull_reads_total')}", "{{worker_id}}")]),
     ]
 
 

@@ -14,6 +14,13 @@ the prefill less the cost of bringing it back to the device, so it is credited `
 `device + host_hit_weight * host + disk_hit_weight * disk`. With no lower-medium block in any candidate's
 prefix the credit is the overlap itself and every decision is the device-only one.
 
+Peer pulls (`pull_hit_weight > 0`). A worker that lacks blocks another candidate holds can read them from that
+holder instead of prefilling them: cheaper than a prefill, dearer than a hit of its own. So each candidate is
+also credited `pull_hit_weight` of a block for each prompt block the best holder (the candidate with the
+longest prefix) has beyond its own, where that is at least `pull_min_blocks`. When the pick is not the
+holder and it would pull, the decision names the holder (`pull_from`) and the blocks it holds
+(`pull_blocks`). With pulls off, or no overlap anywhere, nothing changes.
+
 Hot-spot guard: cache affinity can pile requests onto the worker holding a popular prefix faster than the
 load term pushes back. When the candidates' load is lopsided,
 
@@ -37,7 +44,7 @@ from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
 
-__all__ = ["Decision", "RoutingPolicy", "choose", "costs", "is_hot_spot", "select", "tier_credits"]
+__all__ = ["Decision", "RoutingPolicy", "choose", "costs", "is_hot_spot", "pull_credits", "select", "tier_credits"]
 
 _ZEROS = repeat(0)  # the default of `dict.get` for every candidate (an endless iterator: safe to share)
 
@@ -58,12 +65,20 @@ class RoutingPolicy:
     # savings; `python -m benchmarks.tiers` (issue 35, part 5) is to measure them.
     host_hit_weight: float = 0.9
     disk_hit_weight: float = 0.5
+    # The share of a block's prefill that pulling it from a peer saves (0: no pulls). A pull is a one-sided
+    # read of the block's bytes plus a round trip to the holder: on a GPU fleet over RDMA about a tenth of the
+    # prefill, over TCP more; `pull_min_blocks` keeps short pulls, whose round trip dominates, from happening.
+    pull_hit_weight: float = 0.0
+    pull_min_blocks: int = 4
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0 or self.temperature < 0 or self.hot_spot_min_blocks < 0:
             raise ValueError(f"routing policy values must not be negative: {self}")
-        if not (0 <= self.host_hit_weight <= 1 and 0 <= self.disk_hit_weight <= 1):
-            raise ValueError(f"host_hit_weight and disk_hit_weight must lie in [0, 1]: {self}")
+        if not (0 <= self.host_hit_weight <= 1 and 0 <= self.disk_hit_weight <= 1
+                and 0 <= self.pull_hit_weight <= 1):
+            raise ValueError(f"host_hit_weight, disk_hit_weight and pull_hit_weight must lie in [0, 1]: {self}")
+        if self.pull_min_blocks < 1:
+            raise ValueError(f"pull_min_blocks must be at least 1: {self.pull_min_blocks}")
         if self.hot_spot_ratio <= 1:
             raise ValueError(f"hot_spot_ratio must be above 1 (max/mean >= 1): {self.hot_spot_ratio}")
 
@@ -72,12 +87,16 @@ class RoutingPolicy:
 class Decision:
     """The chosen worker, how many leading blocks of the prompt it holds (on any medium), whether the
     hot-spot guard chose it (the guard fired; the cost may or may not have agreed), and, when part of its
-    prefix lies below the device, its blocks per medium (`protocol.MEDIA` order; None: all on the device)."""
+    prefix lies below the device, its blocks per medium (`protocol.MEDIA` order; None: all on the device).
+    With peer pulls, `pull_from` is the candidate to read the prefix from and `pull_blocks` the prompt's
+    leading blocks it holds (more than `overlap_blocks`), or None and 0."""
 
     worker_id: str
     overlap_blocks: int
     hot_spot: bool = False
     blocks_by_medium: tuple[int, ...] | None = None
+    pull_from: str | None = None
+    pull_blocks: int = 0
 
 
 def tier_credits(overlaps: Mapping[str, int], lower: Mapping[str, Sequence[int]],
@@ -92,6 +111,29 @@ def tier_credits(overlaps: Mapping[str, int], lower: Mapping[str, Sequence[int]]
     for worker_id, (device, host, disk) in lower.items():
         credits[worker_id] = device + host_weight * host + disk_weight * disk
     return credits
+
+
+def pull_credits(overlaps: Mapping[str, int], credits: Mapping[str, float], candidates: Sequence[str],
+                 policy: RoutingPolicy) -> tuple[Mapping[str, float], str | None, int]:
+    """Each candidate's credit (`credits`: its overlap or tier credits) plus what pulling from the best holder
+    would save it (see the module docstring), that holder and the blocks it holds. `credits` and no holder
+    when pulls are off or no candidate holds `pull_min_blocks` of the prompt."""
+    if policy.pull_hit_weight <= 0 or not overlaps:
+        return credits, None, 0
+    holder, held = None, 0
+    for worker_id in candidates:  # the first of the longest: candidates come in preference order
+        blocks = overlaps.get(worker_id, 0)
+        if blocks > held:
+            holder, held = worker_id, blocks
+    if holder is None or held < policy.pull_min_blocks:
+        return credits, None, 0
+    weight, min_blocks = policy.pull_hit_weight, policy.pull_min_blocks
+    with_pulls: dict[str, float] = {}
+    for worker_id in candidates:
+        own = overlaps.get(worker_id, 0)
+        credit = credits.get(worker_id, 0)
+        with_pulls[worker_id] = credit + weight * (held - own) if held - own >= min_blocks else credit
+    return with_pulls, holder, held
 
 
 def costs(num_prompt_blocks: int, overlaps: Mapping[str, float], active_blocks: Mapping[str, int],
@@ -133,19 +175,22 @@ def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequ
     workers whose prefix reaches below the device (`TieredIndex.match`); the cost then credits their
     overlap by tier (`tier_credits`), and the decision still reports the blocks held.
 
-    Equal to `select(costs(num_prompt_blocks, tier_credits(...), ...), temperature, rng)` over the
-    candidates unless the hot-spot guard fires (both compute each cost by the same expression); exactly so
+    Equal to `select(costs(num_prompt_blocks, credits, ...), temperature, rng)` over the candidates, with
+    `credits = pull_credits(overlaps, tier_credits(...), candidates, policy)[0]`, unless the hot-spot guard fires (both compute each cost by the same expression); exactly so
     while costs stay below 2**52 (any real block count). With `cached_blocks` (the blocks a worker's cache
     holds), equally loaded workers that hold none of the prompt are ranked by it first: a new prompt goes to
     the emptiest cache, so new prefixes spread over the caches instead of filling the first candidate's (the
     role of sglang's smallest-tree pick)."""
-    if lower:
-        credits = tier_credits(overlaps, lower, policy)
+    if lower or (policy.pull_hit_weight > 0 and overlaps):
+        credits = tier_credits(overlaps, lower, policy) if lower else overlaps
+        credits, holder, held = pull_credits(overlaps, credits, candidates, policy)
         decision = _choose(num_prompt_blocks, credits, candidates, active_blocks, policy, rng, cached_blocks)
         worker_id = decision.worker_id
         decision.overlap_blocks = overlaps.get(worker_id, 0)
-        by_medium = lower.get(worker_id)
+        by_medium = lower.get(worker_id) if lower else None
         decision.blocks_by_medium = tuple(by_medium) if by_medium is not None else None
+        if holder is not None and holder != worker_id and held - decision.overlap_blocks >= policy.pull_min_blocks:
+            decision.pull_from, decision.pull_blocks = holder, held
         return decision
     return _choose(num_prompt_blocks, overlaps, candidates, active_blocks, policy, rng, cached_blocks)
 

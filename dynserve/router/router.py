@@ -63,8 +63,8 @@ class Router:
     def __init__(self, mode: RouterMode, *, block_size: int, salt: int, overlap_weight: float = 1.0,
                  temperature: float = 0.0, seed: int = 0, hot_spot_ratio: float = 2.0,
                  hot_spot_min_blocks: int = 1024, approx_ttl_s: float = 120.0, approx_max_blocks: int = 65_536,
-                 host_hit_weight: float = 0.9, disk_hit_weight: float = 0.5,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 host_hit_weight: float = 0.9, disk_hit_weight: float = 0.5, pull_hit_weight: float = 0.0,
+                 pull_min_blocks: int = 4, clock: Callable[[], float] = time.monotonic) -> None:
         """`clock` times the approximate memory's TTL (tests pass a fake one); the other knobs are
         `RoutingPolicy`'s."""
         if mode not in ROUTER_MODES:
@@ -72,7 +72,9 @@ class Router:
         self.mode, self.block_size, self.salt = mode, block_size, salt
         self.policy = RoutingPolicy(overlap_weight=overlap_weight, temperature=temperature,
                                     hot_spot_ratio=hot_spot_ratio, hot_spot_min_blocks=hot_spot_min_blocks,
-                                    host_hit_weight=host_hit_weight, disk_hit_weight=disk_hit_weight)
+                                    host_hit_weight=host_hit_weight, disk_hit_weight=disk_hit_weight,
+                                    pull_hit_weight=pull_hit_weight if mode == "kv" else 0.0,
+                                    pull_min_blocks=pull_min_blocks)
         self.memory: RouteMemory | None = None
         # kv (and the baselines): every medium, fed by events; approximate: the memory's own device-only
         # index (what it remembers routing)
@@ -100,13 +102,22 @@ class Router:
                    approx_ttl_s=settings.router_approx_ttl_s,
                    approx_max_blocks=settings.router_approx_max_blocks,
                    host_hit_weight=settings.router_host_hit_weight,
-                   disk_hit_weight=settings.router_disk_hit_weight)
+                   disk_hit_weight=settings.router_disk_hit_weight,
+                   pull_hit_weight=settings.router_pull_hit_weight if settings.kv_peer_pulls else 0.0,
+                   pull_min_blocks=settings.kv_pull_min_blocks)
 
     # ---- decisions -------------------------------------------------------------------------------------
 
     def pick(self, token_ids: Sequence[int], candidates: Sequence[str],
              loads: Mapping[str, WorkerLoad]) -> tuple[str, int]:
         """(worker, its prefix overlap in blocks) for a prompt; `candidates` must not be empty."""
+        decision = self.decide(token_ids, candidates, loads)
+        return decision.worker_id, decision.overlap_blocks
+
+    def decide(self, token_ids: Sequence[int], candidates: Sequence[str],
+               loads: Mapping[str, WorkerLoad]) -> Decision:
+        """`pick`'s whole decision: with peer pulls (kv mode), also whom the chosen worker should pull the
+        prompt's prefix from (`Decision.pull_from`)."""
         # Load is what this router sent and has not seen finish. Worker reports (`loads`) are polled and
         # stale by up to a poll interval, which is longer than most decisions care about: they break ties
         # only. (With several gateways sharing workers, a fresher shared signal is still to come.)
@@ -121,11 +132,12 @@ class Router:
             active = self._active
             chosen = min(candidates,
                          key=lambda w: (active.get(w, 0), loads[w].num_running if w in loads else 0))
+        decision = Decision(chosen, 0)
         if self.observer is not None:
-            self.observer.observe_decision(Decision(chosen, 0), None, time.perf_counter() - start_s)
-        return chosen, 0
+            self.observer.observe_decision(decision, None, time.perf_counter() - start_s)
+        return decision
 
-    def _pick_by_cache(self, token_ids: Sequence[int], candidates: Sequence[str]) -> tuple[str, int]:
+    def _pick_by_cache(self, token_ids: Sequence[int], candidates: Sequence[str]) -> Decision:
         hashes = hash_blocks(token_ids, self.block_size, self.salt)
         now_s = self._clock() if self.memory is not None else 0.0
         start_s = time.perf_counter()
@@ -140,7 +152,7 @@ class Router:
             self.memory.remember(decision.worker_id, hashes, now_s)
         if self.observer is not None:
             self.observer.observe_decision(decision, len(hashes), decision_s)
-        return decision.worker_id, decision.overlap_blocks
+        return decision
 
     def routed(self, request_id: str, worker_id: str, num_blocks: int) -> None:
         self._inflight[request_id] = (worker_id, num_blocks)

@@ -62,8 +62,9 @@ def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
-    if deltas[0].kv_fallback is not None:  # only a first delta says it; keep it through the merge
-        last = msgspec.structs.replace(last, kv_fallback=deltas[0].kv_fallback)
+    first = deltas[0]
+    if first.kv_fallback is not None or first.kv_pulled_blocks:  # only a first delta says them; keep them
+        last = msgspec.structs.replace(last, kv_fallback=first.kv_fallback, kv_pulled_blocks=first.kv_pulled_blocks)
     logprobs = None
     if any(d.logprobs for d in deltas):
         logprobs = [lp for d in deltas for lp in (d.logprobs or [])]

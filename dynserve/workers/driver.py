@@ -192,8 +192,16 @@ class Driver(abc.ABC):
         """Queue `request` on the engine; a request the engine refuses adds its sink's `fail` to `errors`."""
         assert self.engine is not None
         try:
+            if request.export_prefix:  # answered at once, from the cache: no step, no open request
+                delta = self.engine.export_prefix(request.request_id, request.token_ids)
+                if sink.thread_safe:
+                    hand_to_sinks([(sink.deliver, [delta])])
+                else:
+                    self._call(lambda: hand_to_sinks([(sink.deliver, [delta])]))
+                return
             self.engine.add_request(request.token_ids, request.params, request.request_id,
-                                    prefill_only=request.prefill_only, remote=request.remote_prefill)
+                                    prefill_only=request.prefill_only, remote=request.remote_prefill,
+                                    peer=request.peer_prefix)
         except InvalidRequestError as exc:
             errors.append((sink.fail, RequestError(request_id=request.request_id, message=str(exc),
                                                    param=exc.param)))

@@ -113,6 +113,10 @@ class WorkerMetrics:
         self.transfer_seconds = 0.0
         self.transfer_reads = 0
         self.transfer_failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
+        self.pull_bytes = 0  # the same for prefixes pulled from peers (Settings.kv_peer_pulls)
+        self.pull_seconds = 0.0
+        self.pull_reads = 0
+        self.pull_failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)  # the worker process's CPU and memory
@@ -147,15 +151,22 @@ class WorkerMetrics:
 
     # ---- the transfer side (read threads) ------------------------------------------------------------
 
-    def record_read(self, num_bytes: int, seconds: float) -> None:
+    def record_read(self, num_bytes: int, seconds: float, *, pull: bool = False) -> None:
+        """A KV read that succeeded: from a prefill worker, or (`pull`) a prefix pulled from a peer."""
         with self._transfer_lock:
-            self.transfer_bytes += num_bytes
-            self.transfer_seconds += seconds
-            self.transfer_reads += 1
+            if pull:
+                self.pull_bytes += num_bytes
+                self.pull_seconds += seconds
+                self.pull_reads += 1
+            else:
+                self.transfer_bytes += num_bytes
+                self.transfer_seconds += seconds
+                self.transfer_reads += 1
 
-    def record_read_failure(self, reason: str) -> None:
+    def record_read_failure(self, reason: str, *, pull: bool = False) -> None:
         with self._transfer_lock:
-            self.transfer_failures[reason] = self.transfer_failures.get(reason, 0) + 1
+            failures = self.pull_failures if pull else self.transfer_failures
+            failures[reason] = failures.get(reason, 0) + 1
 
     # ---- exposition ----------------------------------------------------------------------------------
 
@@ -216,6 +227,19 @@ class WorkerMetrics:
         for reason, count in transfer[3].items():
             failures.add_metric([*labels, reason], count)
         yield failures
+        with self._transfer_lock:
+            pulls = (self.pull_bytes, self.pull_seconds, self.pull_reads, dict(self.pull_failures))
+        yield counter("dynserve_worker_kv_pull_bytes", "KV bytes of prompt prefixes pulled from peers' caches "
+                      "(peer pulls)", pulls[0])
+        yield counter("dynserve_worker_kv_pull_seconds", "Time spent pulling prompt prefixes from peers",
+                      pulls[1])
+        yield counter("dynserve_worker_kv_pull_reads", "Prefix pulls from peers that succeeded", pulls[2])
+        pull_failures = CounterMetricFamily("dynserve_worker_kv_pull_failures", "Prefix pulls that failed (the "
+                                            "request prefilled those blocks here), by reason",
+                                            labels=[*names, "reason"])
+        for reason, count in pulls[3].items():
+            pull_failures.add_metric([*labels, reason], count)
+        yield pull_failures
         mask_timings = engine.mask_timings  # None: this engine computes no masks ahead (a mocker): all zeros
         yield _histogram("dynserve_worker_grammar_mask_seconds", "Time to compute the allowed-token mask of one "
                          "token of a request with a grammar (structured output, tools), on the mask thread while "

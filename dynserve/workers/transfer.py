@@ -1,5 +1,6 @@
-"""The KV-transfer side of a prefill or decode worker (`WorkerTransfer`): its engine's identity as a KV
-source, and the reader its engine driver calls for requests prefilled elsewhere.
+"""The KV-transfer side of a prefill or decode worker, or of an aggregated one with peer pulls
+(`WorkerTransfer`): its engine's identity as a KV source, and the reader its engine driver calls for
+requests prefilled elsewhere and for prefixes pulled from a peer.
 
 A worker with a model owns a transfer connector (`kv_transfer/`) registered over its engine's KV cache: a
 prefill worker publishes the connector's metadata in its `WorkerInfo` (so in the registry); a decode worker
@@ -63,12 +64,13 @@ class WorkerTransfer:
         try:
             self._read(plan)
         except KVTransferTimeoutError:
-            metrics.record_read_failure("transfer_timeout")
+            metrics.record_read_failure("transfer_timeout", pull=plan.pull)
             raise
         except Exception:
-            metrics.record_read_failure("transfer_error")
+            metrics.record_read_failure("transfer_error", pull=plan.pull)
             raise
-        metrics.record_read(len(plan.local_block_ids) * self.block_size_bytes, time.monotonic() - started_s)
+        metrics.record_read(len(plan.local_block_ids) * self.block_size_bytes, time.monotonic() - started_s,
+                            pull=plan.pull)
 
     def use_registry(self, plane: Any, loop: asyncio.AbstractEventLoop) -> None:
         """Find peers in `plane`'s registry, asking it on `loop` (the worker's event loop)."""

@@ -13,7 +13,9 @@ Roles: `both` (aggregated), `prefill`, `decode`; the role labels the worker's lo
 pools and routers use it to pick workers. A prefill or decode worker also has a KV-transfer side
 (`transfer.py`): a prefill worker publishes its connector's metadata in its `WorkerInfo` (so in the
 registry); a decode worker reads prefilled pages from the prefill worker (a mocker's reads are simulated).
-A read that fails costs a local prefill (the engine driver), never the request.
+With peer pulls (`Settings.kv_peer_pulls`) an aggregated worker has one too: it publishes its metadata and
+reads the prefix blocks a peer exported. A read that fails costs a local prefill (the engine driver), never
+the request.
 
 Draining (`drain`): the worker refuses new requests (retryable, so a gateway that has not yet seen it leave
 retries elsewhere), leaves the registry, lets its in-flight requests finish, then closes its channels after
@@ -147,7 +149,7 @@ class EngineWorker:
         self.engine = self._runner.start()  # loads the model on the engine's own thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transfer: WorkerTransfer | None = None
-        if role != "both":
+        if role != "both" or settings.kv_peer_pulls:  # disaggregated, or reading peers' prefixes
             self._transfer = WorkerTransfer(settings, worker_id, self.engine)
             self._runner.kv_reader = self._transfer.read
         self._server: asyncio.Server | None = None
@@ -173,7 +175,7 @@ class EngineWorker:
             worker_id=self.worker_id, role=self.role, host=self.host, port=port, model_id=self.engine.model_id,
             max_model_len=self.engine.max_model_len, block_size=self.engine.block_manager.block_size,
             num_blocks=self.engine.block_manager.num_blocks,
-            kv_agent=(self._transfer.metadata() if self._transfer is not None and self.role == "prefill"
+            kv_agent=(self._transfer.metadata() if self._transfer is not None and self.role != "decode"
                       else None),
             metrics_port=metrics_port, model_path=str(resolve_model_path(self._settings.model)),
         )
