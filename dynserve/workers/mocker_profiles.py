@@ -146,9 +146,10 @@ CPU = MockerProfile(
 # memory, onboarded by a copy over each GPU's own PCIe Gen5 x16 link: 64 GB/s per direction on paper
 # (32 GT/s x 16 lanes, 128b/130b), about 50 GB/s effective for large pinned host-to-device copies, per GPU,
 # the TP ranks copying their own KV shards in parallel (the host's DDR5, several hundred GB/s a socket, is
-# not the limit at 4 GPUs). The disk tier is one NVMe PCIe Gen4 x4 data drive per worker (a DGX H100's
-# data drives are PCIe Gen4 U.2 NVMe; such drives' datasheets give 6.5-7 GB/s sequential read), read at
-# 6 GB/s: blocks are MBs each, read whole, and the hop on to the GPU is faster and overlaps the read.
+# not the limit at 4 GPUs). The disk tier is the node's NVMe data drives, one per GPU as in the DGX H100
+# design (8 PCIe Gen4 U.2 NVMe drives, striped, for 8 GPUs; such drives' datasheets give 6.5-7 GB/s
+# sequential read), each read at 6 GB/s: blocks are MBs each, read whole, and the hop on to the GPU is
+# faster and overlaps the read. A worker of N GPUs reads from N drives' worth: 6 GB/s x N.
 
 # Llama-3.1-8B-Instruct, BF16, TP1: 8.03e9 params (16.06 GB), 32 layers, 32 heads x 128, 8 KV heads.
 #   fixed:   16.06e9 / 2.51e12                  = 6.39 ms
@@ -177,7 +178,7 @@ LLAMA_8B_H100 = MockerProfile(
     kv_transfer_gbps=40.0,  # see "KV transfer" above
     kv_transfer_fixed_ms=1.0,
     kv_host_link_gbps=50.0,  # see "KV tiers" above: one PCIe Gen5 x16 link (estimate)
-    kv_disk_read_gbps=6.0,  # one NVMe Gen4 drive (estimate)
+    kv_disk_read_gbps=6.0,  # see "KV tiers" above: one NVMe Gen4 drive's worth (estimate)
 )
 
 # Llama-3.1-70B-Instruct, BF16, TP4: 70.6e9 params (141.1 GB, 35.3 GB per GPU), 80 layers, 64 heads x 128,
@@ -209,7 +210,7 @@ LLAMA_70B_H100_TP4 = MockerProfile(
     kv_transfer_gbps=160.0,  # see "KV transfer" above: 4 GPUs, each over its own NIC
     kv_transfer_fixed_ms=1.0,
     kv_host_link_gbps=200.0,  # see "KV tiers" above: 4 GPUs, each over its own PCIe Gen5 x16 link (estimate)
-    kv_disk_read_gbps=6.0,  # one NVMe Gen4 drive for the worker (estimate)
+    kv_disk_read_gbps=24.0,  # see "KV tiers" above: four NVMe Gen4 drives' worth (estimate)
 )
 
 PROFILES: dict[str, MockerProfile] = {p.name: p for p in (CPU, LLAMA_8B_H100, LLAMA_70B_H100_TP4)}
