@@ -262,6 +262,29 @@ def test_mocker_engines_export_pull_and_fall_back() -> None:
         assert engine.block_manager.num_used_blocks == 0
 
 
+def test_an_export_holds_a_prefix_from_the_lower_tiers_byte_for_byte(tmp_path: Any) -> None:
+    from test_kv_tiers import SALT, Replay, make_manager, make_seq, pages_of, run_and_free
+
+    bm, kv = make_manager(str(tmp_path), num_blocks=4, block_size=2, host_blocks=2, disk_blocks=8)
+    replay = Replay()
+    first = list(range(7))  # 3 full blocks
+    run_and_free(bm, kv, first, "first")
+    for n in range(3):  # other prompts push the first's blocks to host, then to disk
+        run_and_free(bm, kv, [100 + 10 * n + i for i in range(7)], f"other{n}")
+    assert set(hash_blocks(first, 2, SALT)) <= set(bm.tiers.hashes("host")) | set(bm.tiers.hashes("disk"))
+    seq = make_seq(first[:6], "export")  # exactly its 3 blocks: all held, the last one too
+    assert bm.hold_prefix(seq) == 3 and seq.num_computed_tokens == 6
+    for i, block_hash in enumerate(hash_blocks(first, 2, SALT)):
+        assert torch.equal(kv[seq.block_table[i]], pages_of(block_hash, 2))
+    replay.apply(bm.drain_events())
+    replay.assert_matches(bm)  # onboarded: removed from its tier, stored on the device
+    bm.check_integrity([seq])
+    bm.free(seq)
+    bm.check_integrity()
+    assert bm.hold_prefix(make_seq([999] * 6, "none")) == 0
+    bm.tiers.close()
+
+
 def test_an_abort_during_a_pull_frees_the_blocks_when_the_read_ends() -> None:
     from dynserve.workers.mocker import MockEngine
 
