@@ -3,7 +3,7 @@ host and disk tiers, on the real model (SmolLM2-135M, two aggregated workers, kv
 workers at a GPU profile.
 
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks.tiers [--quick] [--policies none host host_disk all device]
-        [--part both|real|mocker] [--mocker-profile NAME] [--mocker-speedup S]
+        [--part both|real|mocker] [--mocker-profile NAME] [--mocker-speedup S] [--no-peer-pulls]
 
 The workload (`_tiers_workload.py`, fixed seed): conversations that each open with a long context of their
 own and append the previous answer and a new question every turn, played one turn at a time, round robin
@@ -19,15 +19,16 @@ others have evicted it from the device. The same script is played against a fres
   (`--kv-disk-bytes`, `--kv-disk-dir`) that holds the rest; the router blind to the tiers;
 - `all`: the tiers of `host_disk`, a router that credits host and disk hits (dynserve's default
   `--router-host-hit-weight` and `--router-disk-hit-weight`) and, the issue's fourth policy, workers that
-  pull a prefix their peer holds (`--kv-peer-pulls`) when this checkout's settings have `kv_peer_pulls`;
-  the result's `peer_pulls` says whether they ran;
+  pull a prefix their peer holds (`--kv-peer-pulls`; `--no-peer-pulls` leaves them out); the result's
+  `peer_pulls` says whether they ran;
 - `device` (a control): no tiers, a device pool that holds the whole workload, so every returning turn is a
   device prefix hit: the best a tier can approach, and what prefix reuse alone does to greedy answers.
 
 Reported per policy: TTFT of returning turns (every turn but a conversation's first: p50, mean, p90) and of
 first turns; prefill tokens computed (prompt less cached, from each response's usage); the workers' tier
-counters from their `/metrics` (blocks offloaded, onboarded and dropped per medium, onboard time, disk bytes)
-and the router's prompt blocks hit per medium; every answer; wall time and load average. Then
+counters from their `/metrics` (blocks offloaded, onboarded and dropped per medium, onboard time, disk bytes,
+pull bytes and time), the router's prompt blocks hit per medium and the gateway's peer pulls by outcome;
+every answer; wall time and load average. Then
 `ttft_ratio_none_over_host`, `ttft_ratio_none_over_all` (means of returning turns),
 `prefill_tokens_saved_ratio` (1 - prefill tokens with `all` / without tiers) and `outputs_identical` (every
 answer equal to `none`'s under greedy decoding; where not, each conversation's first differing turn) and
@@ -96,7 +97,8 @@ PARTS = ("both", "real", "mocker")
 NUM_WARM_UP = 4  # short chats before the timing, two per worker
 _SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
 _MEDIUM = re.compile(r'medium="([^"]*)"')
-_TIER_PREFIXES = ("dynserve_worker_kv_tier_", "dynserve_worker_kv_onboard_", "dynserve_worker_kv_disk_")
+_TIER_PREFIXES = ("dynserve_worker_kv_tier_", "dynserve_worker_kv_onboard_", "dynserve_worker_kv_disk_",
+                  "dynserve_worker_kv_pull_")
 
 
 # ---- one chat turn ----------------------------------------------------------------------------------------
@@ -213,11 +215,14 @@ def run_policy(policy: Policy, flags: list[str], plan: Plan, conversations: tupl
         tiers = _worker_tier_counters(server.port)
         router = {k: v for k, v in scrape_counters(server.port, "dynserve_router_prompt").items()
                   if "_created" not in k}
+        pulls = {k: v for k, v in scrape_counters(server.port, "dynserve_kv_pulls").items()
+                 if "_created" not in k}
     summary = summarize_policy(turns)
     figures = {"policy": asdict(policy), "flags": flags, "ready_s": ready_s, "play_s": play_s,
                "wall_s": time.monotonic() - started_s, "load_avg_1m_start": load_start,
                "load_avg_1m_end": os.getloadavg()[0], **summary,
                "onboard_ms_per_block": _onboard_ms_per_block(tiers), "worker_tiers": tiers, "router": router,
+               "peer_pulls": pulls,
                "turns": [asdict(t) for t in turns]}
     log(f"{label}: returning turns' TTFT mean {summary['ttft_returning_mean_ms']:.0f} ms, "
         f"p50 {summary['ttft_returning_p50_ms']:.0f} ms; prefill {summary['prefill_tokens']} of "
@@ -264,6 +269,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None,
                         help="the workers' --dtype, e.g. float32 to check outputs without bf16 rounding "
                              "[default: dynserve's]")
+    parser.add_argument("--no-peer-pulls", action="store_true",
+                        help="`all` without peer pulls even where the settings have them (the tiers and the "
+                             "tier-aware router alone)")
     parser.add_argument("--part", choices=PARTS, default="both",
                         help="the real model's fleets, the mocker's, or both, real first [default: both]")
     parser.add_argument("--mocker-profile", choices=sorted(PROFILES), default=MOCKER_PROFILE,
@@ -360,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan = QUICK_PLAN if args.quick else FULL_PLAN
     conversations = make_conversations(plan, args.seed)
     sizes: Sizes = size_fleet(plan, conversations)
-    peer_pulls = peer_pulls_available()
+    peer_pulls = peer_pulls_available() and not args.no_peer_pulls
     all_policies = policies(sizes, peer_pulls=peer_pulls)
     log(f"{plan.num_conversations} conversations x {plan.num_turns} turns; device pool {sizes.device_blocks} "
         f"blocks a worker, the workload {sizes.workload_blocks} blocks; peer pulls in `all`: {peer_pulls}")
