@@ -120,8 +120,9 @@ def _worker_pull_counters(gateway_port: int) -> dict[str, float]:
         for line in http_get(address, "/metrics").splitlines():
             found = _SAMPLE.match(line)
             if found and found.group(1).startswith("dynserve_worker_kv_pull_") and not found.group(1).endswith("_created"):
-                key = found.group(1) + (re.sub(r'(worker_id|role|model)="[^"]*",?', "", found.group(2) or "")
-                                        .replace("{}", ""))
+                kept = [pair for pair in re.findall(r'\w+="[^"]*"', found.group(2) or "")
+                        if not pair.startswith(("worker_id=", "role=", "model="))]
+                key = found.group(1) + (f"{{{','.join(kept)}}}" if kept else "")
                 totals[key] = totals.get(key, 0.0) + float(found.group(3))
     return totals
 
