@@ -3,6 +3,9 @@
 - `paged_decode` (csrc/paged_decode_cpu.cpp): decode attention over the paged cache, fp32 or bf16. In plain
   torch the keys and values must first be gathered into contiguous tensors (a copy) before attention reads
   them again; this kernel reads each cached key and value once, straight through the block table.
+- `paged_attention` (csrc/attention_bf16_cpu.cpp): a step's bf16 attention, prefill chunks and decode rows
+  alike, with one arithmetic for every row (bf16 `paged_decode` runs the same code), so a row's result does
+  not depend on how its sequence was split into steps or what the prefix cache held (AVX512-BF16).
 - the bf16 step's ops (csrc/cpu_ops.cpp, used through `kernels.cpu_ops`): `linear` for a decode step's few
   rows (AVX512-BF16, streaming each weight once), `rms_norm`, `add_rms_norm`, `silu_mul`, `rope_`.
 
@@ -37,7 +40,8 @@ __all__ = ["load"]
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "cpu_ops.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_decode_cpu.cpp", "attention_bf16_cpu.cpp", "cpu_ops.cpp")]
 
 
 _NAME = "dynserve_cpu_native"

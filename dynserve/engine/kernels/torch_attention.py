@@ -7,6 +7,11 @@ window are never read, so the block manager may have freed them.
 
 How it stays fast on CPU (where attention, not matmuls, dominates a large decode batch):
 - a `_Plan` is derived once per step and reused by every layer (slot split, row groups, masks);
+- a bf16 cache with a bf16 query on a CPU with AVX512-BF16: every row of the step, prefill and decode alike,
+  goes to the C++ kernel `cpu_native.paged_attention` (csrc/attention_bf16_cpu.cpp), which computes each row
+  with one arithmetic over the keys and values as stored in the cache: a row's result, and so the KV a prompt
+  leaves in the cache and its last logits, do not depend on which of its tokens came from the prefix cache, a
+  decode step or an earlier prefill chunk. The paths below serve every other case;
 - a prefill chunk with nothing cached before it attends over the keys in hand (no gather);
 - decode rows (one query token each) go to the C++ kernel of `cpu_native` when it is available (fp32 or bf16;
   a step of decode rows only writes its keys and values in the same call),
@@ -88,9 +93,20 @@ class _NativeDecode:
 
 
 @dataclass(slots=True)
+class _NativeBf16:
+    """Every row of the step at once (prefill chunks and decode rows), for the C++ bf16 kernel."""
+
+    kernel: Any
+    block_tables: torch.Tensor  # [seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [seqs] int32
+    query_start_loc: torch.Tensor  # [seqs + 1] int32
+
+
+@dataclass(slots=True)
 class _Plan:
     block_ids: torch.Tensor
     offsets: torch.Tensor
+    native_bf16: _NativeBf16 | None = None
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
     decode_groups: list[_DecodeGroup] = field(default_factory=list)
     native_decode: _NativeDecode | None = None
@@ -98,8 +114,11 @@ class _Plan:
     windowed: dict[tuple[int, int], tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device: torch.device, native_kernel: Any | None) -> _Plan:
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device, native_kernel: Any | None,
+          native_bf16: bool = False) -> _Plan:
     plan = _Plan(*_slot_coords(meta.slot_mapping, block_size))
+    if native_bf16:
+        plan.native_bf16 = _NativeBf16(native_kernel, meta.block_tables, meta.seq_lens, meta.query_start_loc)
     starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
     decode: list[tuple[int, int]] = []  # (seq_len, seq index)
     for i, seq_len in enumerate(seq_lens):
@@ -109,7 +128,7 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device, native
             decode.append((seq_len, i))
         elif q_len > 0:
             mask = None
-            if q_len != seq_len:
+            if q_len != seq_len and not native_bf16:  # (the bf16 kernel needs no mask)
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             plan.prefill_rows.append(_PrefillRow(start, end, seq_len, i, mask))
@@ -167,6 +186,13 @@ def _native_decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> Any | 
     return cpu_native.load()
 
 
+def _native_bf16_applies(query: torch.Tensor, kv_cache: torch.Tensor, kernel: Any | None) -> bool:
+    """Whether every row of the step goes to the C++ bf16 kernel (a bf16 query and cache, AVX512-BF16, a
+    head_dim it is built for): then a row's result does not depend on how its sequence was split into steps."""
+    return (kernel is not None and query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16
+            and query.shape[-1] in (64, 128, 256) and bool(kernel.has_avx512_bf16()))
+
+
 def _grouped_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """`[rows, heads, q_len, d]` -> `[rows, kv_heads, heads_per_kv * q_len, d]`: each KV head's query heads
     become its query rows (head h reads KV head h // heads_per_kv)."""
@@ -199,8 +225,17 @@ def forward(
 ) -> torch.Tensor:
     block_size, num_kv_heads = kv_cache.shape[3], kv_cache.shape[4]
     if meta.backend_plan is None:
-        meta.backend_plan = _plan(meta, block_size, query.device, _native_decode_kernel(query, kv_cache))
+        kernel = _native_decode_kernel(query, kv_cache)
+        meta.backend_plan = _plan(meta, block_size, query.device, kernel,
+                                  _native_bf16_applies(query, kv_cache, kernel))
     plan: _Plan = meta.backend_plan
+    if plan.native_bf16 is not None and plan.prefill_rows:
+        # prefill chunks (and any decode rows beside them) in the arithmetic of the bf16 decode kernel, over
+        # the keys and values as stored
+        nb = plan.native_bf16
+        _write(kv_cache, layer, key, value, plan.block_ids, plan.offsets)
+        return nb.kernel.paged_attention(query, kv_cache, layer, nb.block_tables, nb.seq_lens, nb.query_start_loc,
+                                         scale, window)
     if plan.native_decode is not None and not plan.prefill_rows and key.dtype == kv_cache.dtype:
         # decode rows only, in order: the cache write and the attention in one call
         nd = plan.native_decode

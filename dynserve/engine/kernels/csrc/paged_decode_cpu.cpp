@@ -20,6 +20,11 @@
 
 void register_cpu_ops(pybind11::module& m);  // cpu_ops.cpp
 bool has_avx512_bf16();                       // cpu_ops.cpp
+// attention_bf16_cpu.cpp
+bool bf16_attention_applies(const torch::Tensor& query, const torch::Tensor& kv_cache);
+torch::Tensor bf16_attention(torch::Tensor query, const torch::Tensor& kv_cache, int64_t layer,
+                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                             const std::vector<int64_t>& query_start_loc, double scale, int64_t window);
 
 namespace {
 
@@ -27,7 +32,6 @@ namespace {
 struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, block_size, max_blocks;
   int64_t s_block, s_kv, s_tok, s_head;
-  bool bf16_dot;  // the bf16 cache's scores may use vdpbf16ps (the query came as bf16)
   int64_t window;  // > 0: a row attends only to its last `window` tokens (sliding window); 0: to all
 };
 
@@ -56,54 +60,6 @@ inline void prefetch_rows(const void* first, int64_t count, int64_t stride_bytes
     for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(p + j * stride_bytes + off, 0, 3);
 }
 
-#if defined(__x86_64__)
-// Scores of `count` bf16 key rows (`stride` elements apart) against G bf16 query rows, written to
-// s[g * len + j]: `vdpbf16ps` multiplies pairs and sums in fp32, so a key row is two (D = 64) loads and
-// the products of all G query heads, with one horizontal sum per score.
-template <int64_t D, int64_t G>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void score_block_bf16(
-    const at::BFloat16* __restrict__ qb, const at::BFloat16* __restrict__ keys, int64_t stride, int64_t count,
-    float* __restrict__ s, int64_t len, float scale) {
-  constexpr int64_t C = D / 32;
-  __m512bh qv[G][C];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < C; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * D + c * 32);
-  for (int64_t j = 0; j < count; ++j) {
-    __m512bh kv[C];
-    for (int64_t c = 0; c < C; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(keys + j * stride + c * 32);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), kv[0], qv[g][0]);
-      for (int64_t c = 1; c < C; ++c) a = _mm512_dpbf16_ps(a, kv[c], qv[g][c]);
-      s[g * len + j] = _mm512_reduce_add_ps(a) * scale;
-    }
-  }
-}
-
-// acc[g * D ...] += p[g * len + j] * value row j, for `count` bf16 value rows (`stride` elements apart); the
-// G x D accumulators stay in registers for the block.
-template <int64_t D, int64_t G>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void accumulate_block_bf16(
-    const at::BFloat16* __restrict__ values, int64_t stride, int64_t count, const float* __restrict__ p,
-    int64_t len, float* __restrict__ acc) {
-  constexpr int64_t C = D / 16;
-  __m512 a[G][C];
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * D + c * 16);
-  for (int64_t j = 0; j < count; ++j) {
-    __m512 v[C];
-    for (int64_t c = 0; c < C; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + j * stride + c * 16));
-      v[c] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * len + j]);
-      for (int64_t c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(w, v[c], a[g][c]);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * D + c * 16, a[g][c]);
-}
-#endif
 
 // Attention of one (sequence, KV head): `group` query rows over the cached tokens `start .. len - 1` (`start`
 // is 0, or where a sliding window begins; blocks wholly before it are never read, so they may have been
@@ -118,15 +74,6 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
   const int64_t n = len - start;  // keys attended; score t of a row is token start + t
   scores.resize(group * n);
   float* __restrict__ s = scores.data();
-  // a bf16 cache on a CPU with AVX512-BF16: scores from the query in bf16 (exact: it came from bf16 rows)
-  at::BFloat16 q_bf16[(D > 0 && G > 0) ? D * G : 1];
-  const at::BFloat16* qb = nullptr;
-  if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
-    if (lay.bf16_dot) {
-      for (int64_t i = 0; i < D * G; ++i) q_bf16[i] = at::BFloat16(q[i]);
-      qb = q_bf16;
-    }
-  }
   const int64_t first_block = start / bs, num_blocks = (len + bs - 1) / bs;
   // the part of block b that is attended: tokens lo .. hi - 1 of it
   auto span = [&](int64_t b, int64_t& lo, int64_t& hi) {
@@ -151,14 +98,6 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
       prefetch_rows(cache + table[first_block] * lay.s_block + lay.s_kv + kv_head * lay.s_head + lo0 * lay.s_tok,
                     hi0 - lo0, stride_bytes, row_bytes);
     }
-#if defined(__x86_64__)
-    if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
-      if (qb != nullptr) {
-        score_block_bf16<D, G>(qb, base, lay.s_tok, count, s + first, n, scale);
-        continue;
-      }
-    }
-#endif
     for (int64_t j = 0; j < count; ++j) {
       const T* k = base + j * lay.s_tok;
       for (int64_t g = 0; g < group; ++g) s[g * n + first + j] = dot<D>(q + g * hd, k, hd) * scale;
@@ -190,14 +129,6 @@ void attend_one(const Layout& lay, const T* __restrict__ cache, const int32_t* _
       prefetch_rows(cache + table[b + 1] * lay.s_block + lay.s_kv + kv_head * lay.s_head, hi1, stride_bytes,
                     row_bytes);
     }
-#if defined(__x86_64__)
-    if constexpr (std::is_same_v<T, at::BFloat16> && D > 0 && D % 32 == 0 && G > 0) {
-      if (qb != nullptr) {
-        accumulate_block_bf16<D, G>(base, lay.s_tok, count, s + first, n, acc);
-        continue;
-      }
-    }
-#endif
     for (int64_t j = 0; j < count; ++j) {
       const T* v = base + j * lay.s_tok;
       for (int64_t g = 0; g < group; ++g) axpy<D>(acc + g * hd, v, s[g * n + first + j], hd);
@@ -265,18 +196,22 @@ void write_rows(const S* key, const S* value, T* cache, const int64_t* slots, in
 }
 
 // Every row's context fits its block table, every block it uses is in the cache, and the layer exists: the
-// kernel reads (and write_and_decode writes) through them without further checks.
+// kernel reads (and write_and_decode writes) through them without further checks. Sequence i's query tokens
+// are its last q_lens[i] (1 where q_lens is null), so its reads begin at its first token's window.
 void check_metadata(const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& block_tables,
-                    const torch::Tensor& seq_lens, int64_t window) {
+                    const torch::Tensor& seq_lens, int64_t window, const int64_t* q_lens = nullptr) {
   TORCH_CHECK(kv_cache.device().is_cpu(), "paged_decode: a CPU cache");
   TORCH_CHECK(layer >= 0 && layer < kv_cache.size(1), "paged_decode: layer ", layer, " out of range");
+  TORCH_CHECK(window >= 0, "paged_decode: negative window");
+  TORCH_CHECK(block_tables.size(0) == seq_lens.size(0), "paged_decode: bad rows");
   const int64_t num_blocks = kv_cache.size(0), block_size = kv_cache.size(3), max_blocks = block_tables.size(1);
   const auto* tables = block_tables.data_ptr<int32_t>();
   const auto* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t i = 0; i < seq_lens.size(0); ++i) {
     TORCH_CHECK(lens[i] >= 1 && lens[i] <= max_blocks * block_size, "paged_decode: context length ", lens[i],
                 " does not fit its block table");
-    const int64_t start = window > 0 ? std::max<int64_t>(0, lens[i] - window) : 0;
+    const int64_t first_len = lens[i] - (q_lens != nullptr ? std::max<int64_t>(q_lens[i], 1) : 1) + 1;
+    const int64_t start = window > 0 ? std::max<int64_t>(0, first_len - window) : 0;
     for (int64_t b = start / block_size; b < (lens[i] + block_size - 1) / block_size; ++b) {
       const int32_t block = tables[i * max_blocks + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode: block ", block, " out of range");
@@ -293,13 +228,19 @@ torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t
   TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 6, "paged_decode: bad ranks");
   TORCH_CHECK(kv_cache.stride(5) == 1, "paged_decode: head_dim must be contiguous");
   const auto out_type = query.scalar_type();
-  query = query.to(torch::kFloat32).contiguous();
   block_tables = block_tables.to(torch::kInt32).contiguous();
   seq_lens = seq_lens.to(torch::kInt32).contiguous();
   const int64_t num_seqs = query.size(0);
+  if (bf16_attention_applies(query, kv_cache)) {  // the arithmetic every bf16 row shares, prefill's too
+    TORCH_CHECK(seq_lens.size(0) == num_seqs && block_tables.size(0) == num_seqs, "paged_decode: bad rows");
+    check_metadata(kv_cache, layer, block_tables, seq_lens, window);
+    std::vector<int64_t> starts(num_seqs + 1);
+    for (int64_t i = 0; i <= num_seqs; ++i) starts[i] = i;
+    return bf16_attention(query, kv_cache, layer, block_tables, seq_lens, starts, scale, window).to(out_type);
+  }
+  query = query.to(torch::kFloat32).contiguous();
   Layout lay{query.size(1), kv_cache.size(4), 0, query.size(2), kv_cache.size(3), block_tables.size(1),
-             kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4),
-             out_type == torch::kBFloat16 && has_avx512_bf16(), window};
+             kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3), kv_cache.stride(4), window};
   TORCH_CHECK(window >= 0, "paged_decode: negative window");
   TORCH_CHECK(kv_cache.size(5) == lay.head_dim && lay.num_heads % lay.num_kv_heads == 0,
               "paged_decode: bad shapes");
@@ -328,6 +269,31 @@ torch::Tensor attend(torch::Tensor query, const torch::Tensor& kv_cache, int64_t
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor kv_cache, int64_t layer,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale, int64_t window) {
   return attend(std::move(query), kv_cache, layer, std::move(block_tables), std::move(seq_lens), scale, window);
+}
+
+// Attention of a step's query tokens, prefill chunks and decode rows alike, over a bf16 cache that already
+// holds the step's keys and values: sequence i's tokens are rows query_start_loc[i] .. query_start_loc[i + 1]
+// - 1 of `query` (bf16 [tokens, heads, head_dim]), its last at context length seq_lens[i]. Each row is computed
+// exactly as `paged_decode` computes a decode row at the same position (attention_bf16_cpu.cpp). bf16 out.
+torch::Tensor paged_attention(torch::Tensor query, torch::Tensor kv_cache, int64_t layer, torch::Tensor block_tables,
+                              torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale, int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 6, "paged_attention: bad ranks");
+  TORCH_CHECK(bf16_attention_applies(query, kv_cache),
+              "paged_attention: a bf16 query and cache, head_dim 64, 128 or 256, and AVX512-BF16");
+  block_tables = block_tables.to(torch::kInt32).contiguous();
+  seq_lens = seq_lens.to(torch::kInt32).contiguous();
+  query_start_loc = query_start_loc.to(torch::kInt64).contiguous();
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "paged_attention: one query start per sequence and the end");
+  const auto* qsl = query_start_loc.data_ptr<int64_t>();
+  std::vector<int64_t> starts(qsl, qsl + num_seqs + 1), q_lens(num_seqs);
+  TORCH_CHECK(starts[0] == 0 && starts[num_seqs] == query.size(0), "paged_attention: query starts do not cover the rows");
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    q_lens[i] = starts[i + 1] - starts[i];
+    TORCH_CHECK(q_lens[i] >= 0, "paged_attention: query starts must not decrease");
+  }
+  check_metadata(kv_cache, layer, block_tables, seq_lens, window, q_lens.data());
+  return bf16_attention(query, kv_cache, layer, block_tables, seq_lens, starts, scale, window).to(torch::kBFloat16);
 }
 
 // A step of decode rows only, in one call: each row's key and value ([rows, kv_heads, head_dim], the
@@ -370,6 +336,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernel touches no Python object: it lets go of the GIL, so the worker's I/O thread can move tokens
   // and take requests while the engine thread is in here (torch's own ops do the same).
   m.def("paged_decode", &paged_decode, "paged decode attention (fp32 or bf16 cache, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_attention", &paged_attention, "a step's bf16 attention, prefill and decode rows alike (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("write_and_decode", &write_and_decode, "write a decode step's keys and values, then paged_decode",
         py::call_guard<py::gil_scoped_release>());
