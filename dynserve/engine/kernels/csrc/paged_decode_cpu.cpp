@@ -4,7 +4,8 @@
 // head); the query heads sharing that KV head are processed together (GQA). The cache is fp32 or bf16;
 // scores, softmax and the output are summed in fp32.
 // head_dim and the query heads per KV head are template parameters for common shapes, so the inner loops
-// compile to fixed-width SIMD.
+// compile to fixed-width SIMD. A bf16 query over a bf16 cache on an AVX512-BF16 CPU goes to the kernel of
+// attention_bf16_cpu.cpp instead, whose arithmetic prefill rows share (`paged_attention`, defined here too).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
