@@ -33,9 +33,10 @@ Invariants:
 - Logprobs are synthetic but well-formed: the chosen token first and most likely, then `k - 1` others.
 - KV tiers (`kv_host_bytes`, `kv_disk_bytes`) are the engine's bookkeeping without pages
   (`kv_tier_book.TierBook` over `NoPages`, a block taking the profile's KV bytes per token times the block
-  size on the host and on disk): the same moves, `medium`-tagged KV events and `TierStats`. A step that
-  onboarded blocks (at admission, in `schedule`) takes longer by the profile's `onboard_time_ms` of their
-  bytes, divided by `mocker_speedup`, and that time is the tiers' `onboard_s`.
+  size on the host and on disk): the same moves, `medium`-tagged KV events and `TierStats`. A step takes
+  longer by the profile's `onboard_time_ms` of the blocks onboarded since the step before (at admission, in
+  `schedule`, or between steps for a remote prefill or an export), divided by `mocker_speedup`, and that
+  time is the tiers' `onboard_s`.
 """
 
 from __future__ import annotations
@@ -181,9 +182,9 @@ class MockEngine(EngineCore):
         return samples
 
     def _onboard_time_s(self) -> float:
-        """The modelled time of the blocks onboarded since the last step ran (this step's admissions, and a
-        remote-prefilled request's own cached prefix), after the speedup; counted as the tiers'
-        `onboard_s`."""
+        """The modelled time of the blocks onboarded since the last step ran (this step's admissions; between
+        steps, a remote-prefilled request's own cached prefix or a prefix exported for a peer's pull), after
+        the speedup; counted as the tiers' `onboard_s`."""
         tiers = self.block_manager.tiers
         if tiers is None:
             return 0.0
