@@ -245,7 +245,8 @@ class Settings(BaseSettings):
         "prefills them. Aggregated pools of dynserve's engine", json_schema_extra=_CLUSTER)
     router_pull_hit_weight: float = Field(
         0.8, ge=0, le=1, description="kv router with kv_peer_pulls: a prompt block another worker holds, "
-        "which the chosen worker would pull, counts as this fraction of a hit of its own", json_schema_extra=_CLUSTER)
+        "which the chosen worker would pull, counts as this fraction of what it is worth to that worker (a "
+        "device hit, or its host or disk tier's weight)", json_schema_extra=_CLUSTER)
     kv_pull_min_blocks: int = Field(
         4, ge=1, description="kv router with kv_peer_pulls: pull only when the holder has at least this many "
         "more of the prompt's blocks than the chosen worker (fewer are prefilled)", json_schema_extra=_CLUSTER)

@@ -66,6 +66,17 @@ def test_pull_credit_counts_only_what_the_holder_has_beyond_a_workers_own_and_at
     assert pull_credits({"a": 9}, {"a": 9}, ["b"], PULLS)[1:] == (None, 0)
 
 
+def test_a_pulled_block_is_worth_the_pull_weight_of_what_it_is_worth_to_the_holder() -> None:
+    # a holds the 16 blocks on its disk tier (credit 0.5 each: 8): pulling them is worth 0.8 * 0.5 each
+    credits, holder, held = pull_credits({"a": 16}, {"a": 8.0}, ["a", "b"], PULLS)
+    assert (holder, held) == ("a", 16) and credits == {"a": 8.0, "b": 0.8 * 0.5 * 16}
+    # idle: the holder, onboarding from its own disk, beats a peer that would read the blocks from it
+    idle = choose(20, {"a": 16}, ["b", "a"], {}, PULLS, lower={"a": (0, 0, 16)})
+    assert (idle.worker_id, idle.pull_from, idle.blocks_by_medium) == ("a", None, (0, 0, 16))
+    busy = choose(20, {"a": 16}, ["b", "a"], {"a": 30}, PULLS, lower={"a": (0, 0, 16)})
+    assert (busy.worker_id, busy.pull_from, busy.pull_blocks) == ("b", "a", 16)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_choose_with_pulls_equals_the_plain_definition(seed: int) -> None:
     import random

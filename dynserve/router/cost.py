@@ -15,9 +15,11 @@ the prefill less the cost of bringing it back to the device, so it is credited `
 prefix the credit is the overlap itself and every decision is the device-only one.
 
 Peer pulls (`pull_hit_weight > 0`). A worker that lacks blocks another candidate holds can read them from that
-holder instead of prefilling them: cheaper than a prefill, dearer than a hit of its own. So each candidate is
-also credited `pull_hit_weight` of a block for each prompt block the best holder (the candidate with the
-longest prefix) has beyond its own, where that is at least `pull_min_blocks`. When the pick is not the
+holder instead of prefilling them: cheaper than a prefill, dearer than a hit of the holder's own. The holder
+first brings a block it keeps on a lower tier to its device, so a pulled block is worth `pull_hit_weight` of
+what it is worth to the holder (the holder's tier credit per block it holds). Each candidate is credited that
+for each prompt block the best holder (the candidate with the longest prefix) has beyond its own, where that
+is at least `pull_min_blocks`; a pull never beats the holder's own hit at equal load. When the pick is not the
 holder and it would pull, the decision names the holder (`pull_from`) and the blocks it holds
 (`pull_blocks`). With pulls off, or no overlap anywhere, nothing changes.
 
@@ -127,7 +129,8 @@ def pull_credits(overlaps: Mapping[str, int], credits: Mapping[str, float], cand
             holder, held = worker_id, blocks
     if holder is None or held < policy.pull_min_blocks:
         return credits, None, 0
-    weight, min_blocks = policy.pull_hit_weight, policy.pull_min_blocks
+    # a pulled block is worth `pull_hit_weight` of what it is worth to the holder (below 1 for its lower tiers)
+    weight, min_blocks = policy.pull_hit_weight * credits.get(holder, held) / held, policy.pull_min_blocks
     with_pulls: dict[str, float] = {}
     for worker_id in candidates:
         own = overlaps.get(worker_id, 0)
