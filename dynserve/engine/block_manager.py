@@ -16,7 +16,7 @@ reuses it after its token ids are confirmed equal, so a hash collision never ser
 Allocation takes free blocks first, then evicts the least recently freed cached block. Every change to the
 set of cached hashes is recorded as a numbered KV event in an outbox that the worker publishes.
 
-With KV tiers (`kv_tiers.KVTiers`), an evicted cached block is kept in the host or disk tier instead of lost
+With KV tiers (`kv_tier_book.TierBook`: the engine's `kv_tiers.KVTiers`, the mocker's page-less book), an evicted cached block is kept in the host or disk tier instead of lost
 (`BlockRemoved(device)` then `BlockStored(host)`, and so on down), and a prefix match continues past the
 device pool into the tiers: each such block is taken out of its tier (`BlockRemoved(host|disk)`) and copied
 into a freshly taken device block that is cached at once (`BlockStored(device)`), so it counts as computed.
@@ -38,7 +38,7 @@ from dynserve.hashing import BlockHash
 from dynserve.protocol import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 if TYPE_CHECKING:  # the tiers hold tensors; the block manager itself imports no torch
-    from dynserve.engine.kv_tiers import Claim, KVTiers, TierChange
+    from dynserve.engine.kv_tier_book import Claim, TierBook, TierChange
 
 __all__ = ["Block", "BlockManager", "NO_BLOCK"]
 
@@ -57,7 +57,7 @@ class Block:
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, hash_salt: int = 0, enable_prefix_caching: bool = True,
-        tiers: KVTiers | None = None,
+        tiers: TierBook | None = None,
     ) -> None:
         """`tiers`: where evicted cached blocks are kept and hits are onboarded from (None: device only)."""
         if num_blocks < 1 or block_size < 1:

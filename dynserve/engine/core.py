@@ -63,7 +63,7 @@ from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
 from dynserve.protocol import KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
 
 if TYPE_CHECKING:
-    from dynserve.engine.kv_tiers import KVTiers
+    from dynserve.engine.kv_tier_book import TierBook
 
 __all__ = ["LEASE_MARGIN_S", "EngineCore", "EngineStats", "GenerationResult", "ReceivePlan", "StepSamples"]
 
@@ -145,7 +145,7 @@ class EngineCore(abc.ABC):
 
     def __init__(self, settings: Settings, tokenizer: Tokenizer, *, model_id: str, vocab_size: int,
                  eos_token_id: int | None, max_model_len: int, num_blocks: int,
-                 kv_tiers: KVTiers | None = None) -> None:
+                 kv_tiers: TierBook | None = None) -> None:
         """`kv_tiers`: the host and disk tiers below the KV cache (None: device only); `close` closes them."""
         self.settings = settings
         self.tokenizer = tokenizer

@@ -124,10 +124,12 @@ class TorchPages:
 
     def take_disk(self, block_hash: BlockHash, token_ids: tuple[int, ...]) -> torch.Tensor | None:
         assert self._writer is not None
+        start = time.perf_counter()
         path = self._path(block_hash)
         data = self._writer.read(path)
         self._writer.delete(path)
         payload = decode_block(self.layout, block_hash, token_ids, data)
+        self._stats.onboard_s += time.perf_counter() - start  # onboarding from disk: the read and check too
         if payload is None:
             logger.warning("KV disk tier: block %016x's file %s is corrupt or short; recomputing it",
                            block_hash, path)

@@ -339,8 +339,8 @@ def _kv_tier_panels() -> list[PanelBuilder]:
                 (per_worker(onboarded, "worker_id, medium"), "{{worker_id}} onboarded {{medium}}"),
                 (per_worker("dynserve_worker_kv_tier_dropped_blocks_total"), "{{worker_id}} dropped"),
                 (per_worker("dynserve_worker_kv_disk_corrupt_files_total"), "{{worker_id}} corrupt files")]),
-        _graph("Onboard time per block", "Mean time to copy one block from the host or disk tier into the KV "
-               "cache (the copy only: a disk block's file is read and checked before it).", "s",
+        _graph("Onboard time per block", "Mean time to bring one block from the host or disk tier into the KV "
+               "cache (a disk block's file read and checked, then copied).", "s",
                [(onboard_time, "{{worker_id}}")]),
         _graph("Tier bytes/s", "Bytes onboarded into the KV cache from the tiers, and block files written to "
                "and read from the disk tier.", "Bps",

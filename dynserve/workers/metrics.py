@@ -294,8 +294,8 @@ def tier_families(labels: list[str], blocks: BlockManager) -> Iterator[Metric]:
             ("dynserve_worker_kv_tier_dropped_blocks", "Blocks dropped off the last KV tier", "num_dropped"),
             ("dynserve_worker_kv_onboard_bytes", "KV bytes copied from the host and disk tiers into the KV "
              "cache", "onboard_bytes"),
-            ("dynserve_worker_kv_onboard_seconds", "Time spent copying blocks from the host and disk tiers "
-             "into the KV cache", "onboard_s"),
+            ("dynserve_worker_kv_onboard_seconds", "Time spent bringing blocks from the host and disk tiers "
+             "into the KV cache (a disk block's file read and checked, then copied)", "onboard_s"),
             ("dynserve_worker_kv_disk_write_bytes", "Bytes of block files written to the disk tier",
              "disk_write_bytes"),
             ("dynserve_worker_kv_disk_read_bytes", "Bytes of block files read from the disk tier",

@@ -120,7 +120,7 @@ class MockEngine(EngineCore):
             settings, tokenizer, model_id=model_id_of(path), vocab_size=tokenizer.vocab_size, eos_token_id=None,
             max_model_len=settings.max_model_len or self.profile.max_model_len,
             num_blocks=settings.kv_blocks or self.profile.num_kv_blocks(settings.block_size),
-            kv_tiers=mock_tiers(settings, self.profile),  # type: ignore[arg-type]  # the same book, no pages
+            kv_tiers=mock_tiers(settings, self.profile),  # the same book, no pages
         )
         self.speedup = settings.mocker_speedup
         self.simulated_busy_s = 0.0  # the sum of every step's modelled time (after the speedup)
