@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
 import re
 import shutil
@@ -27,8 +28,9 @@ from pathlib import Path
 import psutil
 
 from benchmarks._common import file_tail, log
+from benchmarks._http import http_get
 
-__all__ = ["DynctlServer", "dynctl_serve", "scrape_counters"]
+__all__ = ["DynctlServer", "dynctl_serve", "scrape_counters", "scrape_worker_samples"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _BANNER = re.compile(r"dynserve is serving \S+(?:, \S+)* at http://[^/\s]+:(\d+)/v1")  # one model or several
@@ -152,3 +154,22 @@ def scrape_counters(port: int, prefix: str, timeout_s: float = 10.0) -> dict[str
         if found is not None and found.group(1).startswith(prefix):
             samples[found.group(1) + (found.group(2) or "")] = float(found.group(3))
     return samples
+
+
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def scrape_worker_samples(gateway_port: int, prefixes: tuple[str, ...]) -> list[tuple[str, dict[str, str], float]]:
+    """Every worker's samples whose name starts with one of `prefixes` (but the `_created` ones), read from each
+    worker's own /metrics as the gateway's scrape targets list them: (name, labels, value)."""
+    groups = json.loads(http_get(f"127.0.0.1:{gateway_port}", "/metrics/targets"))
+    addresses = [t for g in groups if g["labels"].get("component") == "worker" for t in g["targets"]]
+    samples = []
+    for address in addresses:
+        for line in http_get(address, "/metrics").splitlines():
+            found = _SAMPLE.match(line)
+            if found is None or not found.group(1).startswith(prefixes) or found.group(1).endswith("_created"):
+                continue
+            samples.append((found.group(1), dict(_LABEL.findall(found.group(2) or "")), float(found.group(3))))
+    return samples
+

@@ -32,7 +32,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -40,12 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import git_commit, log, machine_info, percentile, write_result
-from benchmarks._dynctl import dynctl_serve, scrape_counters
+from benchmarks._dynctl import dynctl_serve, scrape_counters, scrape_worker_samples
 from benchmarks._http import http_get
 from benchmarks.tiers import _chat as chat_turn
 
 FLEETS = ("no_pulls", "pulls")
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
 _WORDS = ("river", "stone", "garden", "lantern", "harbor", "meadow", "copper", "violet", "signal", "orchard",
           "canyon", "thread", "market", "winter", "ledger", "candle", "bridge", "falcon", "pepper", "marble")
 
@@ -112,18 +110,13 @@ async def _play(port: int, model: str, plan: Plan, documents: list[tuple[str, li
 
 
 def _worker_pull_counters(gateway_port: int) -> dict[str, float]:
-    """The workers' `dynserve_worker_kv_pull_*` series summed over the workers."""
-    groups = json.loads(http_get(f"127.0.0.1:{gateway_port}", "/metrics/targets"))
-    addresses = [t for g in groups if g["labels"].get("component") == "worker" for t in g["targets"]]
+    """The workers' `dynserve_worker_kv_pull_*` series summed over the workers, keyed by name and the labels
+    other than the worker's own (`reason`)."""
     totals: dict[str, float] = {}
-    for address in addresses:
-        for line in http_get(address, "/metrics").splitlines():
-            found = _SAMPLE.match(line)
-            if found and found.group(1).startswith("dynserve_worker_kv_pull_") and not found.group(1).endswith("_created"):
-                kept = [pair for pair in re.findall(r'\w+="[^"]*"', found.group(2) or "")
-                        if not pair.startswith(("worker_id=", "role=", "model="))]
-                key = found.group(1) + (f"{{{','.join(kept)}}}" if kept else "")
-                totals[key] = totals.get(key, 0.0) + float(found.group(3))
+    for name, labels, value in scrape_worker_samples(gateway_port, ("dynserve_worker_kv_pull_",)):
+        kept = [f'{k}="{v}"' for k, v in sorted(labels.items()) if k not in ("worker_id", "role", "model")]
+        key = name + (f"{{{','.join(kept)}}}" if kept else "")
+        totals[key] = totals.get(key, 0.0) + value
     return totals
 
 

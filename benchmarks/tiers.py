@@ -59,7 +59,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -68,7 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS_DIR, git_commit, log, machine_info, write_result
-from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters
+from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters, scrape_worker_samples
 from benchmarks._http import RawConnection, http_get
 from benchmarks._tiers_report import TurnResult, compare_outputs, headline, plot, summarize_policy
 from benchmarks._tiers_workload import (
@@ -95,8 +94,6 @@ TARGETS = {"ttft_ratio_none_over_host": 3.0, "ttft_ratio_none_over_all": 4.0}
 MOCKER_PROFILE = "llama-3.1-70b-h100-tp4"
 PARTS = ("both", "real", "mocker")
 NUM_WARM_UP = 4  # short chats before the timing, two per worker
-_SAMPLE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
-_MEDIUM = re.compile(r'medium="([^"]*)"')
 _TIER_PREFIXES = ("dynserve_worker_kv_tier_", "dynserve_worker_kv_onboard_", "dynserve_worker_kv_disk_",
                   "dynserve_worker_kv_pull_")
 
@@ -165,20 +162,10 @@ async def _play(port: int, model: str, plan: Plan, conversations: tuple[Conversa
 
 def _worker_tier_counters(gateway_port: int) -> dict[str, float]:
     """The workers' tier series summed over the workers, keyed `name` or `name{medium}`."""
-    groups = json.loads(http_get(f"127.0.0.1:{gateway_port}", "/metrics/targets"))
-    addresses = [t for g in groups if g["labels"].get("component") == "worker" for t in g["targets"]]
     totals: dict[str, float] = {}
-    for address in addresses:
-        for line in http_get(address, "/metrics").splitlines():
-            found = _SAMPLE.match(line)
-            if found is None:
-                continue
-            name, labels, value = found.groups()
-            if not name.startswith(_TIER_PREFIXES) or name.endswith("_created"):
-                continue
-            medium = _MEDIUM.search(labels or "")
-            key = name + (f"{{{medium.group(1)}}}" if medium else "")
-            totals[key] = totals.get(key, 0.0) + float(value)
+    for name, labels, value in scrape_worker_samples(gateway_port, _TIER_PREFIXES):
+        key = name + (f"{{{labels['medium']}}}" if "medium" in labels else "")
+        totals[key] = totals.get(key, 0.0) + value
     return totals
 
 
