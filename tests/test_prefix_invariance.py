@@ -66,12 +66,14 @@ def _step(model: Any, cache: Any, seqs: list[tuple[list[int], int, list[int]]]) 
         last.append(len(ids) - 1)
     meta = kernels.AttentionMetadata.build(q_lens, seq_lens, [table for *_, table in seqs], BLOCK)
     with torch.inference_mode():
-        return model(torch.tensor(ids), torch.tensor(positions), cache, meta, torch_attention, torch.tensor(last))
+        return model(torch.tensor(ids), torch.tensor(positions), cache, meta, torch_attention,
+                     torch.tensor(last))
 
 
 def _cache(model: Any, num_blocks: int) -> Any:
     cfg = model.config
-    return torch.zeros(num_blocks, cfg.num_layers, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    shape = (num_blocks, cfg.num_layers, 2, BLOCK, cfg.num_kv_heads, cfg.head_dim)
+    return torch.zeros(shape, dtype=torch.bfloat16)
 
 
 def _run(model: Any, tokens: list[int], cuts: list[int], decode_from: int | None = None) -> tuple[Any, Any]:
@@ -158,8 +160,8 @@ def test_every_prefill_row_equals_the_decode_row_at_its_position(
     meta = kernels.AttentionMetadata.build(q_lens, seq_lens, tables, block_size)
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).bfloat16()
     scale = head_dim**-0.5
-    out = kernel.paged_attention(query, cache, 1, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-                                 window)
+    out = kernel.paged_attention(query, cache, 1, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                 scale, window)
     assert out.dtype == torch.bfloat16
     # each row alone, as a decode row at its position
     rows, row_lens, row_tables = [], [], []
@@ -220,7 +222,7 @@ def test_a_next_turn_answers_the_same_with_or_without_its_prefix_cached(kernel: 
     reused = cached.generate([turn1], greedy)[0]
     # the blocks reused hold the prompt and the first answer's tokens, written by decode steps
     assert cached.scheduler.num_cached_prompt_tokens >= 80
-    fresh_engine = LLMEngine(Settings(dtype="bfloat16", device="cpu", kv_blocks=32, enable_prefix_caching=False),
-                             loaded=loaded)
+    no_cache = Settings(dtype="bfloat16", device="cpu", kv_blocks=32, enable_prefix_caching=False)
+    fresh_engine = LLMEngine(no_cache, loaded=loaded)
     assert torch.equal(reused_logits, fresh_engine.compute_logits([turn1]))
     assert reused.token_ids == fresh_engine.generate([turn1], greedy)[0].token_ids

@@ -188,7 +188,8 @@ def _native_decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor) -> Any | 
 
 def _native_bf16_applies(query: torch.Tensor, kv_cache: torch.Tensor, kernel: Any | None) -> bool:
     """Whether every row of the step goes to the C++ bf16 kernel (a bf16 query and cache, AVX512-BF16, a
-    head_dim it is built for): then a row's result does not depend on how its sequence was split into steps."""
+    head_dim it is built for): then a row's result does not depend on how its sequence was split into
+    steps."""
     return (kernel is not None and query.dtype == torch.bfloat16 and kv_cache.dtype == torch.bfloat16
             and query.shape[-1] in (64, 128, 256) and bool(kernel.has_avx512_bf16()))
 
@@ -234,8 +235,8 @@ def forward(
         # the keys and values as stored
         nb = plan.native_bf16
         _write(kv_cache, layer, key, value, plan.block_ids, plan.offsets)
-        return nb.kernel.paged_attention(query, kv_cache, layer, nb.block_tables, nb.seq_lens, nb.query_start_loc,
-                                         scale, window)
+        return nb.kernel.paged_attention(query, kv_cache, layer, nb.block_tables, nb.seq_lens,
+                                         nb.query_start_loc, scale, window)
     if plan.native_decode is not None and not plan.prefill_rows and key.dtype == kv_cache.dtype:
         # decode rows only, in order: the cache write and the attention in one call
         nd = plan.native_decode
