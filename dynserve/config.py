@@ -242,7 +242,7 @@ class Settings(BaseSettings):
         False, description="peer pulls: when the kv router sends a prompt to a worker other than the one "
         "holding most of its prefix (that one is busier), the chosen worker reads the blocks it lacks from the "
         "holder's cache (any tier) over the KV transfer backend and prefills only the rest; a failed pull "
-        "prefills them. Aggregated pools of dynserve's engine", json_schema_extra=_CLUSTER)
+        "prefills them. Aggregated pools and prefill pools of dynserve's engine", json_schema_extra=_CLUSTER)
     router_pull_hit_weight: float = Field(
         0.8, ge=0, le=1, description="kv router with kv_peer_pulls: a prompt block another worker holds, "
         "which the chosen worker would pull, counts as this fraction of what it is worth to that worker (a "

@@ -27,6 +27,7 @@ from test_dispatcher import Recorder, ScriptedChannel, collect, greedy, request,
 from dynserve.config import Settings
 from dynserve.errors import KVTransferError
 from dynserve.gateway.directory import WorkerDirectory
+from dynserve.gateway.disagg import DisaggregatedBackend
 from dynserve.gateway.dispatcher import Dispatcher, pull_outcome
 from dynserve.hashing import hash_blocks
 from dynserve.protocol import BlockStored, GenerateRequest, KVHandle, SamplingParams, TokenDelta
@@ -107,8 +108,8 @@ class PullChannel(ScriptedChannel):
     """A `ScriptedChannel` that exports prefixes (`holds`: blocks it holds; `export_fails`: its channel drops
     on an export) and reports a pull on its first delta (`read_fails`: as a failed read)."""
 
-    def __init__(self, worker_id: str) -> None:
-        super().__init__(worker_id)
+    def __init__(self, worker_id: str, role: str = "both") -> None:
+        super().__init__(worker_id, role)
         self.holds, self.export_fails = 0, False
 
     async def generate(self, request: GenerateRequest) -> Any:
@@ -140,15 +141,15 @@ class PullRecorder(Recorder):
 PROMPT = list(range(1, 41))  # 10 blocks of 4
 
 
-def _pull_fleet() -> tuple[Dispatcher, PullRecorder, PullChannel, PullChannel]:
-    a, b = PullChannel("a"), PullChannel("b")
+def _pull_fleet(role: str = "both") -> tuple[Dispatcher, PullRecorder, PullChannel, PullChannel]:
+    a, b = PullChannel("a", role), PullChannel("b", role)
     a.holds = 8
     router = Router("kv", block_size=4, salt=0, overlap_weight=1.0, pull_hit_weight=0.8, pull_min_blocks=2)
     assert router.index.apply("a", [BlockStored(0, None, hash_blocks(PROMPT, 4, 0)[:8])])
     router.routed("busy", "a", 50)  # a is busy: the prompt goes to b, which pulls a's 8 blocks
     by_id = {"a": a, "b": b}
     directory = WorkerDirectory([a.info, b.info], channel_factory=lambda info: by_id[info.worker_id])
-    backend = Dispatcher(directory, router=router)
+    backend = Dispatcher(directory, router=router, pool="prefill" if role == "prefill" else "both")
     recorder = PullRecorder()
     backend.add_observer(recorder)
     return backend, recorder, a, b
@@ -205,6 +206,22 @@ def test_a_chosen_worker_that_fails_before_its_first_token_releases_the_export_a
     assert tokens_of(deltas) == greedy(PROMPT, 10)
     assert a.released == ["r1/export"]
     assert [r.peer_prefix is not None for r in a.requests] == [False, False]  # the export, then the retry
+
+
+def test_a_disaggregated_prefill_worker_pulls_a_busier_prefill_workers_prefix() -> None:
+    prefill, recorder, a, b = _pull_fleet("prefill")
+    decode_channel = ScriptedChannel("d", "decode")
+    decode_directory = WorkerDirectory([decode_channel.info], channel_factory=lambda info: decode_channel)
+    backend = DisaggregatedBackend(prefill, Dispatcher(decode_directory, pool="decode"))
+    deltas = _serve(backend, request(PROMPT))  # type: ignore[arg-type]
+    assert tokens_of(deltas) == greedy(PROMPT, 10)
+    [export] = a.requests
+    assert export.export_prefix and export.token_ids == PROMPT[:32]
+    [prefilled] = b.requests
+    assert prefilled.prefill_only and prefilled.peer_prefix is not None and prefilled.peer_prefix.worker_id == "a"
+    assert decode_channel.requests[0].remote_prefill is not None
+    assert a.released == ["r1/export"] and b.released == ["r1"]  # the export, then b's prefill, once each
+    assert ("pull", "pulled") in recorder.events
 
 
 def test_pull_outcome_reads_the_first_delta() -> None:
@@ -269,6 +286,31 @@ def test_mocker_engines_export_pull_and_fall_back() -> None:
     assert _run(reader)[0] == reference
     assert holder.release("x/export") and not holder.release("x/export")
     for engine in (holder, reader, failing):
+        engine.block_manager.check_integrity([])
+        assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_prefill_only_request_pulls_then_parks_the_whole_prompt_for_its_decode_worker() -> None:
+    from dynserve.workers.mocker import MockEngine
+
+    settings = Settings(mocker="cpu", mocker_speedup=1e6, kv_blocks=64)
+    holder, prefill = MockEngine(settings), MockEngine(settings)
+    holder.kv_source_id, prefill.kv_source_id = "h", "p"
+    history = list(range(100, 300))
+    holder.generate([history], GREEDY)
+    prompt = history[:180] + [5, 6, 7]
+    handle = holder.export_prefix("x/export", prompt).kv_handle
+    assert handle is not None
+    prefill.add_request(prompt, GREEDY, "x", prefill_only=True, peer=handle)
+    [plan] = prefill.drain_receives()
+    prefill.simulate_read(plan)
+    prefill.complete_receive("x", None)
+    _tokens, parked = _run(prefill)
+    assert parked.finish_reason == "prefilled" and parked.kv_pulled_blocks == 11
+    assert parked.kv_handle is not None and parked.kv_handle.num_tokens == len(prompt)
+    assert prefill.stats.num_computed_prompt_tokens == len(prompt) - 11 * prefill.block_manager.block_size
+    assert prefill.release("x") and holder.release("x/export")
+    for engine in (holder, prefill):
         engine.block_manager.check_integrity([])
         assert engine.block_manager.num_used_blocks == 0
 

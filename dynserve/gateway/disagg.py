@@ -8,7 +8,8 @@ backed up, waiting for them costs more than prefilling on the decode worker (whi
 for one prefill step instead of leaving the prompt waiting behind others). Each outcome is a path name the
 gateway counts (`dynserve_disagg_requests_total{path}`).
 
-Remote: the prefill dispatcher runs the request `prefill_only` (retried across prefill workers), the decode
+Remote: the prefill dispatcher runs the request `prefill_only` (retried across prefill workers; the one the
+router picks may pull the prompt's prefix from a busier prefill worker, as in an aggregated pool), the decode
 dispatcher runs it with the returned `RemotePrefill` (retried and migrated across decode workers), and the
 prefill worker is told to release its blocks once the decode worker's first delta shows it has them (or the
 request ends, whichever is first: exactly once). The prefill's first token goes to the client at once (the
@@ -112,7 +113,7 @@ class DisaggregatedBackend:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Prefill where `prefill_path` says, then decode (see the module's docstring)."""
-        channel, overlap_blocks = self.prefill.pick_with_overlap(set(), request.token_ids)
+        channel, overlap_blocks, pull = self.prefill.pick_with_pull(set(), request.token_ids)
         block_size = channel.info.block_size if channel is not None else 1
         directory = self.prefill.directory
         path = prefill_path(
@@ -121,7 +122,7 @@ class DisaggregatedBackend:
             local_prefill_tokens=self.local_prefill_tokens, max_prefill_queue=self.max_prefill_queue)
         for observer in self.observers:
             observer.on_disagg(path)
-        prefilled = await self._prefill_remotely(request, channel) if path == "remote" else None
+        prefilled = await self._prefill_remotely(request, channel, pull) if path == "remote" else None
         if prefilled is not None and prefilled.kv_handle is None:  # the first token ended it (stop, length)
             yield prefilled
             return
@@ -157,13 +158,16 @@ class DisaggregatedBackend:
             if not released:
                 self.prefill.release(handle.worker_id, request.request_id)
 
-    async def _prefill_remotely(self, request: GenerateRequest, channel: WorkerChannel | None) -> TokenDelta | None:
-        """Run `request` prefill-only on the prefill pool (`channel` first); its one delta, or None when no
-        prefill worker could (counted as a fallback)."""
+    async def _prefill_remotely(self, request: GenerateRequest, channel: WorkerChannel | None,
+                                pull: tuple[WorkerChannel, int] | None = None) -> TokenDelta | None:
+        """Run `request` prefill-only on the prefill pool (`channel` first, pulling the prompt's prefix from
+        another prefill worker as `pull` says); its one delta, or None when no prefill worker could (counted
+        as a fallback)."""
         prefilled: TokenDelta | None = None
         try:
             async with contextlib.aclosing(self.prefill.generate(
-                    msgspec.structs.replace(request, prefill_only=True), first=channel)) as stream:
+                    msgspec.structs.replace(request, prefill_only=True), first=channel,
+                    first_pull=pull)) as stream:
                 async for delta in stream:
                     prefilled = delta
         except WorkerUnavailableError as exc:  # no prefill worker could do it: the decode worker will

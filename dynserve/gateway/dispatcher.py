@@ -143,10 +143,16 @@ class Dispatcher:
         channel, overlap, _pull = self._pick(exclude, token_ids)
         return channel, overlap
 
+    def pick_with_pull(self, exclude: set[str], token_ids: list[int] | None
+                       ) -> tuple[WorkerChannel | None, int, tuple[WorkerChannel, int] | None]:
+        """`pick_with_overlap`, and the holder to pull the prompt's prefix from with the blocks it holds,
+        when the router says so and both workers can (dynserve's engine, the same block size); hand both
+        to `generate` as `first` and `first_pull`."""
+        return self._pick(exclude, token_ids)
+
     def _pick(self, exclude: set[str], token_ids: list[int] | None
               ) -> tuple[WorkerChannel | None, int, tuple[WorkerChannel, int] | None]:
-        """`pick_with_overlap`, and the holder to pull the prompt's prefix from with the blocks it holds,
-        when the router says so and both workers can (dynserve's engine, the same block size)."""
+        """See `pick_with_pull`."""
         candidates = self.directory.open_channels(exclude)
         if not candidates:
             return None, 0, None
@@ -196,10 +202,11 @@ class Dispatcher:
 
     # ---- streaming -------------------------------------------------------------------------------------
 
-    async def generate(self, request: GenerateRequest,
-                       first: WorkerChannel | None = None) -> AsyncIterator[TokenDelta]:
-        """Stream `request` from one of the pool's workers (`first` if given), retrying elsewhere until its
-        first delta arrives, and migrating it when its worker fails mid-stream (see `_migration`)."""
+    async def generate(self, request: GenerateRequest, first: WorkerChannel | None = None,
+                       first_pull: tuple[WorkerChannel, int] | None = None) -> AsyncIterator[TokenDelta]:
+        """Stream `request` from one of the pool's workers (`first` if given, pulling its prefix as
+        `first_pull` says: `pick_with_pull`), retrying elsewhere until its first delta arrives, and migrating
+        it when its worker fails mid-stream (see `_migration`)."""
         tried: set[str] = set()
         sent: list[int] = []  # the tokens the client has had, over every worker the request ran on
         num_migrations, current = 0, request
@@ -209,7 +216,7 @@ class Dispatcher:
             if first is None:
                 channel, _overlap, pull = self._pick(tried, current.token_ids)
             else:
-                channel, first = first, None
+                channel, pull, first, first_pull = first, first_pull, None, None
             if channel is None:
                 raise WorkerUnavailableError(
                     f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
