@@ -90,6 +90,30 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
+class _Reads:
+    """The counters of one kind of KV read (from prefill workers, or prefixes pulled from peers), and their
+    families: `<prefix>_bytes`, `_seconds`, `_reads` (succeeded) and `_failures` by reason."""
+
+    __slots__ = ("docs", "failures", "num_bytes", "num_reads", "prefix", "seconds")
+
+    def __init__(self, prefix: str, docs: tuple[str, str, str, str]) -> None:
+        self.prefix, self.docs = prefix, docs  # help of bytes, seconds, reads, failures
+        self.num_bytes, self.seconds, self.num_reads = 0, 0.0, 0
+        self.failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
+
+    def families(self, labels: list[str], names: list[str]) -> Iterator[Metric]:
+        """Call with the lock the counters are updated under held."""
+        for suffix, doc, value in zip(("bytes", "seconds", "reads"), self.docs[:3],
+                                      (self.num_bytes, self.seconds, self.num_reads), strict=True):
+            family = CounterMetricFamily(f"{self.prefix}_{suffix}", doc, labels=names)
+            family.add_metric(labels, value)
+            yield family
+        failures = CounterMetricFamily(f"{self.prefix}_failures", self.docs[3], labels=[*names, "reason"])
+        for reason, count in self.failures.items():
+            failures.add_metric([*labels, reason], count)
+        yield failures
+
+
 class WorkerMetrics:
     """One worker's metrics. `engine` is read at scrape time; the driver calls `record_step` after each step
     and `record_first_token` at each request's first token; the transfer side calls `record_read` and
@@ -109,14 +133,14 @@ class WorkerMetrics:
         self.queue: tuple[int, int, int] | None = None
         self._last_step_end_s: float | None = None
         self._transfer_lock = threading.Lock()
-        self.transfer_bytes = 0
-        self.transfer_seconds = 0.0
-        self.transfer_reads = 0
-        self.transfer_failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
-        self.pull_bytes = 0  # the same for prefixes pulled from peers (Settings.kv_peer_pulls)
-        self.pull_seconds = 0.0
-        self.pull_reads = 0
-        self.pull_failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
+        self._transfers = _Reads("dynserve_worker_kv_transfer", (
+            "KV bytes read from prefill workers", "Time spent reading KV from prefill workers",
+            "KV reads from prefill workers that succeeded",
+            "KV reads that failed (the request was prefilled here instead), by reason"))
+        self._pulls = _Reads("dynserve_worker_kv_pull", (  # prefixes pulled from peers (Settings.kv_peer_pulls)
+            "KV bytes of prompt prefixes pulled from peers' caches (peer pulls)",
+            "Time spent pulling prompt prefixes from peers", "Prefix pulls from peers that succeeded",
+            "Prefix pulls that failed (the request prefilled those blocks here), by reason"))
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
         ProcessCollector(registry=self.registry)  # the worker process's CPU and memory
@@ -153,19 +177,15 @@ class WorkerMetrics:
 
     def record_read(self, num_bytes: int, seconds: float, *, pull: bool = False) -> None:
         """A KV read that succeeded: from a prefill worker, or (`pull`) a prefix pulled from a peer."""
+        reads = self._pulls if pull else self._transfers
         with self._transfer_lock:
-            if pull:
-                self.pull_bytes += num_bytes
-                self.pull_seconds += seconds
-                self.pull_reads += 1
-            else:
-                self.transfer_bytes += num_bytes
-                self.transfer_seconds += seconds
-                self.transfer_reads += 1
+            reads.num_bytes += num_bytes
+            reads.seconds += seconds
+            reads.num_reads += 1
 
     def record_read_failure(self, reason: str, *, pull: bool = False) -> None:
+        failures = (self._pulls if pull else self._transfers).failures
         with self._transfer_lock:
-            failures = self.pull_failures if pull else self.transfer_failures
             failures[reason] = failures.get(reason, 0) + 1
 
     # ---- exposition ----------------------------------------------------------------------------------
@@ -214,32 +234,9 @@ class WorkerMetrics:
                                "Time from a request's arrival at the worker to its first token", labels)
         yield self.itl.family("dynserve_worker_inter_token_latency_seconds",
                               "Time between a request's consecutive tokens on the worker", labels)
-        with self._transfer_lock:
-            transfer = (self.transfer_bytes, self.transfer_seconds, self.transfer_reads,
-                        dict(self.transfer_failures))
-        yield counter("dynserve_worker_kv_transfer_bytes", "KV bytes read from prefill workers", transfer[0])
-        yield counter("dynserve_worker_kv_transfer_seconds", "Time spent reading KV from prefill workers",
-                      transfer[1])
-        yield counter("dynserve_worker_kv_transfer_reads", "KV reads from prefill workers that succeeded",
-                      transfer[2])
-        failures = CounterMetricFamily("dynserve_worker_kv_transfer_failures", "KV reads that failed (the "
-                                       "request was prefilled here instead), by reason", labels=[*names, "reason"])
-        for reason, count in transfer[3].items():
-            failures.add_metric([*labels, reason], count)
-        yield failures
-        with self._transfer_lock:
-            pulls = (self.pull_bytes, self.pull_seconds, self.pull_reads, dict(self.pull_failures))
-        yield counter("dynserve_worker_kv_pull_bytes", "KV bytes of prompt prefixes pulled from peers' caches "
-                      "(peer pulls)", pulls[0])
-        yield counter("dynserve_worker_kv_pull_seconds", "Time spent pulling prompt prefixes from peers",
-                      pulls[1])
-        yield counter("dynserve_worker_kv_pull_reads", "Prefix pulls from peers that succeeded", pulls[2])
-        pull_failures = CounterMetricFamily("dynserve_worker_kv_pull_failures", "Prefix pulls that failed (the "
-                                            "request prefilled those blocks here), by reason",
-                                            labels=[*names, "reason"])
-        for reason, count in pulls[3].items():
-            pull_failures.add_metric([*labels, reason], count)
-        yield pull_failures
+        with self._transfer_lock:  # one consistent copy each: a read thread may be counting
+            read_families = [*self._transfers.families(labels, names), *self._pulls.families(labels, names)]
+        yield from read_families
         mask_timings = engine.mask_timings  # None: this engine computes no masks ahead (a mocker): all zeros
         yield _histogram("dynserve_worker_grammar_mask_seconds", "Time to compute the allowed-token mask of one "
                          "token of a request with a grammar (structured output, tools), on the mask thread while "
