@@ -16,14 +16,15 @@ reuses it after its token ids are confirmed equal, so a hash collision never ser
 Allocation takes free blocks first, then evicts the least recently freed cached block. Every change to the
 set of cached hashes is recorded as a numbered KV event in an outbox that the worker publishes.
 
-With KV tiers (`kv_tier_book.TierBook`: the engine's `kv_tiers.KVTiers`, the mocker's page-less book), an evicted cached block is kept in the host or disk tier instead of lost
-(`BlockRemoved(device)` then `BlockStored(host)`, and so on down), and a prefix match continues past the
-device pool into the tiers: each such block is taken out of its tier (`BlockRemoved(host|disk)`) and copied
-into a freshly taken device block that is cached at once (`BlockStored(device)`), so it counts as computed.
-Its tier copy is claimed before any device block is taken, so the evictions that taking blocks causes can
-never push out a block the same sequence just matched; a device hit is referenced first for the same reason.
-A hash is cached in at most one of device, host and disk; without tiers the events are those of a
-device-only pool, unchanged. `check_integrity()` proves these invariants, the tiers' included.
+With KV tiers (`kv_tier_book.TierBook`: the engine's `kv_tiers.KVTiers`, the mocker's page-less book), an
+evicted cached block is kept in the host or disk tier instead of lost (`BlockRemoved(device)` then
+`BlockStored(host)`, and so on down), and a prefix match continues past the device pool into the tiers: each
+such block is taken out of its tier (`BlockRemoved(host|disk)`) and copied into a freshly taken device block
+that is cached at once (`BlockStored(device)`), so it counts as computed. Its tier copy is claimed before any
+device block is taken, so the evictions that taking blocks causes can never push out a block the same sequence
+just matched; a device hit is referenced first for the same reason. A hash is cached in at most one of device,
+host and disk; without tiers the events are those of a device-only pool, unchanged. `check_integrity()` proves
+these invariants, the tiers' included.
 """
 
 from __future__ import annotations

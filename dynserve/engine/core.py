@@ -195,8 +195,7 @@ class EngineCore(abc.ABC):
         params = params or SamplingParams()
         params.validate()
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._requests or request_id in self._receiving or request_id in self._leases:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self._check_request_id(request_id)
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids)
         if params.seed is None and not params.greedy:
@@ -213,9 +212,7 @@ class EngineCore(abc.ABC):
                            prefill_only=prefill_only and remote is None)
         if remote is not None:
             self._add_remote(request, remote)
-        elif peer is not None and peer.worker_id != self.kv_source_id and self._add_pull(request, peer):
-            pass
-        else:
+        elif peer is None or peer.worker_id == self.kv_source_id or not self._add_pull(request, peer):
             self.scheduler.add(seq)
             self._requests[request_id] = request
         self.stats.num_prompt_tokens += len(token_ids)
@@ -259,8 +256,10 @@ class EngineCore(abc.ABC):
         self.scheduler.check_fits(seq)
         num_blocks = min(len(handle.block_ids), handle.num_tokens // blocks.block_size,
                          (seq.num_prompt_tokens - 1) // blocks.block_size)  # the last token is computed here
-        if not blocks.enable_prefix_caching or num_blocks <= 0 or time.time() > handle.lease_ends_unix_s - LEASE_MARGIN_S:
-            request.pull_fallback = "lease_expired" if num_blocks > 0 and blocks.enable_prefix_caching else None
+        if not blocks.enable_prefix_caching or num_blocks <= 0:
+            return False
+        if time.time() > handle.lease_ends_unix_s - LEASE_MARGIN_S:
+            request.pull_fallback = "lease_expired"  # the blocks may be someone else's by the time they land
             return False
         if not blocks.allocate(seq, self.scheduler.num_reserved_blocks if self.scheduler.running else 0):
             request.pull_fallback = "no_blocks"
@@ -282,21 +281,14 @@ class EngineCore(abc.ABC):
         read, as a prefill-only request's (`release`, `abort`, `expire_leases` free them), computing nothing.
         The one delta, finished with reason "exported", carries their `KVHandle`, or none when this engine
         holds no block of the prompt."""
-        if request_id in self._requests or request_id in self._receiving or request_id in self._leases:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        self._check_request_id(request_id)
         self._check_prompt(token_ids)
         seq = Sequence(request_id, list(token_ids), SamplingParams(max_tokens=1))
         num_blocks = self.block_manager.hold_prefix(seq)
-        handle = None
-        if num_blocks:
-            lease_s = self.settings.kv_lease_s
-            self._leases[request_id] = (seq, time.monotonic() + lease_s)
-            handle = KVHandle(worker_id=self.kv_source_id, agent_name=self.kv_agent_name,
-                              block_ids=list(seq.block_table), num_tokens=num_blocks * self.block_manager.block_size,
-                              lease_ends_unix_s=time.time() + lease_s)
+        num_tokens = num_blocks * self.block_manager.block_size
+        handle = self._lease(seq, num_blocks, num_tokens) if num_blocks else None
         return TokenDelta(request_id=request_id, token_ids=[], finished=True, finish_reason="exported",
-                          num_prompt_tokens=len(token_ids), num_cached_tokens=num_blocks * self.block_manager.block_size,
-                          kv_handle=handle)
+                          num_prompt_tokens=len(token_ids), num_cached_tokens=num_tokens, kv_handle=handle)
 
     def drain_receives(self) -> list[ReceivePlan]:
         """The reads requested since the last call (each ends with one `complete_receive`)."""
@@ -384,6 +376,10 @@ class EngineCore(abc.ABC):
     @property
     def num_leases(self) -> int:
         return len(self._leases)
+
+    def _check_request_id(self, request_id: str) -> None:
+        if request_id in self._requests or request_id in self._receiving or request_id in self._leases:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -519,18 +515,23 @@ class EngineCore(abc.ABC):
         seq = request.seq
         self.scheduler.detach(seq)
         del self._requests[seq.request_id]
-        lease_s = self.settings.kv_lease_s
-        self._leases[seq.request_id] = (seq, time.monotonic() + lease_s)
         num_blocks = self.block_manager.blocks_needed(seq.num_prompt_tokens)
-        handle = KVHandle(worker_id=self.kv_source_id, agent_name=self.kv_agent_name,
-                          block_ids=seq.block_table[:num_blocks], num_tokens=seq.num_prompt_tokens,
-                          lease_ends_unix_s=time.time() + lease_s)
+        handle = self._lease(seq, num_blocks, seq.num_prompt_tokens)
         return TokenDelta(
             request_id=seq.request_id, token_ids=[token_id], text=text, finished=True, finish_reason="prefilled",
             logprobs=None if logprob is None else [logprob], num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens, num_output_tokens=seq.num_output_tokens, kv_handle=handle,
             kv_fallback=request.pull_fallback, kv_pulled_blocks=request.pulled_blocks,
         )
+
+    def _lease(self, seq: Sequence, num_blocks: int, num_tokens: int) -> KVHandle:
+        """Hold `seq`'s blocks under a lease (`kv_lease_s`) and name its first `num_blocks` (its first
+        `num_tokens` tokens) for a peer to read."""
+        lease_s = self.settings.kv_lease_s
+        self._leases[seq.request_id] = (seq, time.monotonic() + lease_s)
+        return KVHandle(worker_id=self.kv_source_id, agent_name=self.kv_agent_name,
+                        block_ids=seq.block_table[:num_blocks], num_tokens=num_tokens,
+                        lease_ends_unix_s=time.time() + lease_s)
 
     # ---- convenience ----------------------------------------------------------------------------------
 

@@ -140,7 +140,7 @@ class Dispatcher:
     def pick_with_overlap(self, exclude: set[str],
                           token_ids: list[int] | None = None) -> tuple[WorkerChannel | None, int]:
         """`pick`, and how many of the prompt's blocks the chosen worker caches (0 when no router knows)."""
-        channel, overlap, _pull = self._pick(exclude, token_ids)
+        channel, overlap, _pull = self.pick_with_pull(exclude, token_ids)
         return channel, overlap
 
     def pick_with_pull(self, exclude: set[str], token_ids: list[int] | None
@@ -148,11 +148,6 @@ class Dispatcher:
         """`pick_with_overlap`, and the holder to pull the prompt's prefix from with the blocks it holds,
         when the router says so and both workers can (dynserve's engine, the same block size); hand both
         to `generate` as `first` and `first_pull`."""
-        return self._pick(exclude, token_ids)
-
-    def _pick(self, exclude: set[str], token_ids: list[int] | None
-              ) -> tuple[WorkerChannel | None, int, tuple[WorkerChannel, int] | None]:
-        """See `pick_with_pull`."""
         candidates = self.directory.open_channels(exclude)
         if not candidates:
             return None, 0, None
@@ -214,7 +209,7 @@ class Dispatcher:
         while True:
             pull = None
             if first is None:
-                channel, _overlap, pull = self._pick(tried, current.token_ids)
+                channel, _overlap, pull = self.pick_with_pull(tried, current.token_ids)
             else:
                 channel, pull, first, first_pull = first, first_pull, None, None
             if channel is None:

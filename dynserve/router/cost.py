@@ -179,8 +179,8 @@ def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequ
     overlap by tier (`tier_credits`), and the decision still reports the blocks held.
 
     Equal to `select(costs(num_prompt_blocks, credits, ...), temperature, rng)` over the candidates, with
-    `credits = pull_credits(overlaps, tier_credits(...), candidates, policy)[0]`, unless the hot-spot guard fires (both compute each cost by the same expression); exactly so
-    while costs stay below 2**52 (any real block count). With `cached_blocks` (the blocks a worker's cache
+    `credits = pull_credits(overlaps, tier_credits(...), candidates, policy)[0]`, unless the hot-spot guard
+    fires (both compute each cost by the same expression); exactly so while costs stay below 2**52 (any real block count). With `cached_blocks` (the blocks a worker's cache
     holds), equally loaded workers that hold none of the prompt are ranked by it first: a new prompt goes to
     the emptiest cache, so new prefixes spread over the caches instead of filling the first candidate's (the
     role of sglang's smallest-tree pick)."""
