@@ -138,7 +138,8 @@ def _wait_group(process: subprocess.Popen[bytes], group: int, timeout_s: float) 
 
 
 def scrape_counters(port: int, prefix: str, timeout_s: float = 10.0) -> dict[str, float]:
-    """The samples of the gateway's /metrics whose name starts with `prefix`, keyed `name{labels}`."""
+    """The samples of the gateway's /metrics whose name starts with `prefix`, keyed `name{labels}`; not the
+    `_created` ones (a counter's creation time, not a count)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     try:
         conn.request("GET", "/metrics")
@@ -151,7 +152,7 @@ def scrape_counters(port: int, prefix: str, timeout_s: float = 10.0) -> dict[str
     samples = {}
     for line in body.splitlines():
         found = _SAMPLE.match(line)
-        if found is not None and found.group(1).startswith(prefix):
+        if found is not None and found.group(1).startswith(prefix) and not found.group(1).endswith("_created"):
             samples[found.group(1) + (found.group(2) or "")] = float(found.group(3))
     return samples
 

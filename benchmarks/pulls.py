@@ -139,7 +139,7 @@ def run_fleet(name: str, flags: list[str], plan: Plan, documents: list[tuple[str
             asyncio.run(chat_turn(server.port, model, [{"role": "user", "content": f"Warm-up {i}: "
                                                         + " ".join(["warm"] * 200)}], 4))
         results = asyncio.run(_play(server.port, model, plan, documents, name))
-        pulls = {k: v for k, v in scrape_counters(server.port, "dynserve_kv_pulls").items() if "_created" not in k}
+        pulls = scrape_counters(server.port, "dynserve_kv_pulls")
         workers = _worker_pull_counters(server.port)
     summary = summarize(results)
     log(f"{name}: TTFT mean {summary['ttft_mean_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms; prefilled "

@@ -200,10 +200,8 @@ def run_policy(policy: Policy, flags: list[str], plan: Plan, conversations: tupl
         turns = asyncio.run(_play(server.port, model, plan, conversations, label))
         play_s = time.monotonic() - play_start_s
         tiers = _worker_tier_counters(server.port)
-        router = {k: v for k, v in scrape_counters(server.port, "dynserve_router_prompt").items()
-                  if "_created" not in k}
-        pulls = {k: v for k, v in scrape_counters(server.port, "dynserve_kv_pulls").items()
-                 if "_created" not in k}
+        router = scrape_counters(server.port, "dynserve_router_prompt")
+        pulls = scrape_counters(server.port, "dynserve_kv_pulls")
     summary = summarize_policy(turns)
     figures = {"policy": asdict(policy), "flags": flags, "ready_s": ready_s, "play_s": play_s,
                "wall_s": time.monotonic() - started_s, "load_avg_1m_start": load_start,
