@@ -11,7 +11,6 @@ after a failed start) is killed by the group's id, so no Ray or worker process o
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import os
 import re
@@ -140,17 +139,8 @@ def _wait_group(process: subprocess.Popen[bytes], group: int, timeout_s: float) 
 def scrape_counters(port: int, prefix: str, timeout_s: float = 10.0) -> dict[str, float]:
     """The samples of the gateway's /metrics whose name starts with `prefix`, keyed `name{labels}`; not the
     `_created` ones (a counter's creation time, not a count)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
-    try:
-        conn.request("GET", "/metrics")
-        response = conn.getresponse()
-        body = response.read().decode()
-        if response.status != 200:
-            raise RuntimeError(f"GET /metrics answered {response.status}")
-    finally:
-        conn.close()
     samples = {}
-    for line in body.splitlines():
+    for line in http_get(f"127.0.0.1:{port}", "/metrics", timeout_s).splitlines():
         found = _SAMPLE.match(line)
         if found is not None and found.group(1).startswith(prefix) and not found.group(1).endswith("_created"):
             samples[found.group(1) + (found.group(2) or "")] = float(found.group(3))
