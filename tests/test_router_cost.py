@@ -129,3 +129,44 @@ def test_a_new_prompt_goes_to_the_emptiest_cache_among_the_least_loaded() -> Non
     assert choose(8, {}, ["a", "d"], idle, NO_GUARD, cached_blocks=cached).worker_id == "a"
     # overlap first: a holds most of the prompt
     assert choose(8, {"a": 6}, ["a", "b", "c"], idle, NO_GUARD, cached_blocks=cached) == Decision("a", 6)
+
+
+# ---- the load the router keeps: prefill ahead of a newcomer, then the KV held ---------------------------
+
+def test_a_request_weighs_its_prefill_until_its_first_token_then_only_its_kv() -> None:
+    from dynserve.router.router import Router
+
+    router = Router("kv", block_size=4, salt=0, overlap_weight=8.0)
+    prompt = list(range(40))  # 10 blocks, cached nowhere
+    router.routed("cold", "a", 11, prefill_blocks=10)  # a prefills 10 blocks: 8 * 10 + 11 ahead of a newcomer
+    router.routed("warm", "b", 11, prefill_blocks=1)  # b prefills 1 block (the rest was cached)
+    assert router._active == {"a": 91.0, "b": 19.0}
+    assert router.pick(prompt, ["a", "b"], {})[0] == "b"
+    router.routed("long", "b", 30, prefill_blocks=10)  # b now has more prefill queued than a: 19 + 110
+    assert router.pick(prompt, ["a", "b"], {})[0] == "a"
+    router.started("long")  # b's long prompt is decoding: only its 30 blocks of KV stay
+    router.started("long")  # a second first token changes nothing
+    assert router._active == {"a": 91.0, "b": 49.0}
+    assert router.pick(prompt, ["a", "b"], {})[0] == "b"
+    for request_id in ("cold", "warm", "long"):
+        router.finished(request_id)
+    assert router._active == {"a": 0, "b": 0}
+    router.finished("cold")  # unknown by now: ignored
+    assert router._active == {"a": 0, "b": 0}
+
+
+def test_a_worker_decoding_keeps_a_returning_turn_that_a_prefill_there_would_not() -> None:
+    """The case the prefill term is for: the worker holding a conversation's history keeps its next turn
+    while it decodes another request; while it prefills a long cold prompt, an idle worker serves it sooner."""
+    from dynserve.hashing import hash_blocks
+    from dynserve.router.router import Router
+
+    history = list(range(400))  # 100 blocks of 4, cached on a
+    for decoding, expected in ((True, ("a", 100)), (False, ("b", 0))):
+        router = Router("kv", block_size=4, salt=0, overlap_weight=8.0)
+        router.index.resync("a", hash_blocks(history, 4, 0), 0)
+        router.routed("other", "a", 120, prefill_blocks=110)
+        if decoding:
+            router.started("other")
+        # a: 8 * 2 to prefill + 120 held (+ 8 * 110 queued while the other prefills); b: 8 * 102
+        assert router.pick(history + list(range(8)), ["a", "b"], {}) == expected
