@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import os
 import threading
 import time
 from collections.abc import Coroutine, Iterator
@@ -210,12 +211,17 @@ def _chat(gateway: Any, content: str, max_tokens: int = 2) -> httpx.Response:
 
 
 def test_an_added_worker_becomes_routable(pool: tuple[_LoopThread, Any], pool_gateway: Any) -> None:
+    import ray
+
     runner, worker_pool = pool
     members = _members(pool_gateway)
     assert members.directory.routable_ids() == ["pt-0", "pt-1"]
     info = runner.run(worker_pool.add())
     assert info.worker_id == "pt-2"
     _wait_until(lambda: "pt-2" in members.directory.routable_ids(), 1.0, "the new worker becoming routable")
+    # the process never ran at Ray's niceness of 15 (its start is what a scale-up waits for)
+    niceness = worker_pool.handle("pt-2").__ray_call__.remote(lambda _w: os.getpriority(os.PRIO_PROCESS, 0))
+    assert ray.get(niceness, timeout=30) == 0
     for i in range(3):  # round robin over three workers: one of these goes to the new one
         assert _chat(pool_gateway, f"Say {i}.").status_code == 200
     assert members.num_routed["pt-2"] >= 1
