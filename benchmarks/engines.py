@@ -13,7 +13,11 @@ directly and through a gateway over it alone; `added_p50_ms_c1` is the differenc
 
     python -m benchmarks.engines [--quick] [--runs 3]
 
-`--runs N` plays the phases N times on the same servers and reports each run and the medians. The last
+Before the first run each vLLM server is warmed up with a few conversations of the same shapes played to it
+directly (its first prompts of a length pay for compiling and caching its CPU kernels; unwarmed, that cost
+fell on whichever phase came first). `--runs N` plays the phases N times on the same servers, each run in
+another order (kv, rr, sglang; then rr, sglang, kv; ...) so no router always goes first or last, and
+reports each run and the medians. The last
 stdout line is the JSON result (`ttft_ratio_rr_over_kv`, `ttft_ratio_sglang_over_kv`,
 `vllm_cache_hit_rate_kv`, `added_p50_ms_c1`, medians over the runs); a copy goes to
 `benchmarks/results/engines-<timestamp>.json`.
@@ -52,6 +56,17 @@ FULL_PLAN = Plan(num_conversations=24, num_turns=4, arrival_rate_per_s=0.2, thin
                  system_words=1000, user_words=(20, 60), max_tokens=(20, 40))
 QUICK_PLAN = Plan(num_conversations=12, num_turns=3, arrival_rate_per_s=0.3, think_s=2.0, num_system_prompts=12,
                   system_words=1000, user_words=(20, 40), max_tokens=(10, 20))
+# Played to each server directly before the first run: prompts of the measured lengths, not measured.
+WARM_UP_PLAN = Plan(num_conversations=4, num_turns=3, arrival_rate_per_s=2.0, think_s=0.5, num_system_prompts=4,
+                    system_words=1000, user_words=(20, 60), max_tokens=(20, 40))
+WARM_UP_SEED = 1_000_003
+PHASES = ("kv", "rr", "sglang")
+
+
+def phase_order(run: int) -> tuple[str, ...]:
+    """The phases of run `run` (from 0): `PHASES` rotated by the run's number."""
+    shift = run % len(PHASES)
+    return PHASES[shift:] + PHASES[:shift]
 
 
 @contextmanager
@@ -128,22 +143,32 @@ def added_latency(server: VllmServer, model_dir: Path, log_dir: Path, num: int) 
     return result
 
 
-def one_run(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, sglang: Path,
-            log_dir: Path, num_c1: int) -> dict[str, Any]:
-    phases: dict[str, Any] = {}
-    for name, router in (("kv", "kv"), ("rr", "round_robin")):
-        reset_caches(servers)
-        with dynserve_gateway(servers, model_dir, router, log_dir) as port:
-            phases[name] = run_phase(name, port, plan, seed, model_dir.name)
+def warm_up(servers: list[VllmServer], model: str) -> None:
+    """`WARM_UP_PLAN` played to each server directly, then their caches reset."""
+    start_s = time.monotonic()
+    for server in servers:
+        asyncio.run(play(WARM_UP_PLAN.workload(WARM_UP_SEED, speedup=1.0), "127.0.0.1", server.port, model))
     reset_caches(servers)
-    router_service = start_sglang_router(sglang, [s.port for s in servers], log_dir)
-    try:
-        phases["sglang"] = run_phase("sglang", router_service.port, plan, seed, model_dir.name)
-    finally:
-        router_service.stop()
+    log(f"warmed up the vLLM servers in {time.monotonic() - start_s:.0f} s")
+
+
+def one_run(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, sglang: Path,
+            log_dir: Path, num_c1: int, order: tuple[str, ...] = PHASES) -> dict[str, Any]:
+    phases: dict[str, Any] = {}
+    for name in order:
+        reset_caches(servers)
+        if name == "sglang":
+            router_service = start_sglang_router(sglang, [s.port for s in servers], log_dir)
+            try:
+                phases[name] = run_phase(name, router_service.port, plan, seed, model_dir.name)
+            finally:
+                router_service.stop()
+            continue
+        with dynserve_gateway(servers, model_dir, "kv" if name == "kv" else "round_robin", log_dir) as port:
+            phases[name] = run_phase(name, port, plan, seed, model_dir.name)
     c1 = added_latency(servers[0], model_dir, log_dir, num_c1)
     kv = phases["kv"]["ttft_p50_ms"]
-    return {"phases": phases, "c1": c1, "ttft_ratio_rr_over_kv": phases["rr"]["ttft_p50_ms"] / kv,
+    return {"order": list(order), "phases": phases, "c1": c1, "ttft_ratio_rr_over_kv": phases["rr"]["ttft_p50_ms"] / kv,
             "ttft_ratio_sglang_over_kv": phases["sglang"]["ttft_p50_ms"] / kv,
             "vllm_cache_hit_rate_kv": phases["kv"]["cache_hit"], "added_p50_ms_c1": c1["added_p50_ms_c1"]}
 
@@ -173,10 +198,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"starting two vLLM {version} CPU workers on {model_dir.name}")
         with vllm_fleet(python, model_dir, model_dir.name, flags, num=2, log_dir=log_dir, envs=envs) as servers:
             log(f"vLLM ready in {servers[0].ready_s:.0f} s")
+            warm_up(servers, model_dir.name)
             for run in range(args.runs):
-                log(f"run {run + 1} of {args.runs}")
+                log(f"run {run + 1} of {args.runs}: {', '.join(phase_order(run))}")
                 runs.append(one_run(servers, model_dir, plan, args.seed + run, sglang, log_dir,
-                                    num_c1=40 if args.quick else 200))
+                                    num_c1=40 if args.quick else 200, order=phase_order(run)))
     keys = ("ttft_ratio_rr_over_kv", "ttft_ratio_sglang_over_kv", "vllm_cache_hit_rate_kv", "added_p50_ms_c1")
     result: dict[str, Any] = {"benchmark": "engines", "quick": args.quick, "vllm": version, "commit": git_commit(),
                               "machine": machine_info(), "plan": asdict(plan), "runs": runs,
