@@ -210,14 +210,20 @@ def _chat(gateway: Any, content: str, max_tokens: int = 2) -> httpx.Response:
     return httpx.post(f"{gateway.url}/v1/chat/completions", json=body, timeout=120)
 
 
-def test_an_added_worker_becomes_routable(pool: tuple[_LoopThread, Any], pool_gateway: Any) -> None:
+def test_an_added_worker_becomes_routable(pool: tuple[_LoopThread, Any], pool_gateway: Any,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
     runner, worker_pool = pool
     members = _members(pool_gateway)
     assert members.directory.routable_ids() == ["pt-0", "pt-1"]
+    manager = ray._private.worker.global_worker.function_actor_manager
+    exports: list[Any] = []  # Ray's export of the actor class: once a job, with the first workers
+    export = manager.export_actor_class
+    monkeypatch.setattr(manager, "export_actor_class", lambda *args: exports.append(args) or export(*args))
     info = runner.run(worker_pool.add())
     assert info.worker_id == "pt-2"
+    assert exports == []  # launching a worker did not export (hash every method of) the class again
     _wait_until(lambda: "pt-2" in members.directory.routable_ids(), 1.0, "the new worker becoming routable")
     # the process never ran at Ray's niceness of 15 (its start is what a scale-up waits for)
     niceness = worker_pool.handle("pt-2").__ray_call__.remote(lambda _w: os.getpriority(os.PRIO_PROCESS, 0))

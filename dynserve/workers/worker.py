@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import sys
@@ -388,14 +389,12 @@ def launch_worker(
     profile; a `vllm_worker.VllmWorker` when `settings.engine` is vllm. Resolving the ref waits for the model
     to load. Ray must be initialized.
     """
-    import ray
-
     if num_cpus is None:
         num_cpus = reserved_cpus(settings)
     if settings.engine == "vllm":  # vLLM's server, started and attached by its own actor
         from dynserve.workers.vllm_worker import VllmWorker
 
-        handle = ray.remote(VllmWorker).options(
+        handle = _actor_class(VllmWorker).options(
             num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, name=f"dynserve-worker-{worker_id}",
             max_concurrency=100, scheduling_strategy="SPREAD", runtime_env={"env_vars": _WORKER_ENV},
         ).remote(settings, worker_id, role, publish_events)
@@ -404,14 +403,24 @@ def launch_worker(
     # set_num_threads does not undo that for its GEMMs, which then run up to 4x slower. Start the process
     # with the thread count the engine will use.
     num_threads = settings.num_threads or os.cpu_count() or 1
-    actor_cls = ray.remote(EngineWorker)
-    handle = actor_cls.options(
+    handle = _actor_class(EngineWorker).options(
         num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, name=f"dynserve-worker-{worker_id}",
         max_concurrency=1000,
         runtime_env={"env_vars": {**_WORKER_ENV, "OMP_NUM_THREADS": str(num_threads)}},
         scheduling_strategy="SPREAD",  # a pool's workers on as many nodes as can take them: a lost node costs few
     ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, publish_events)
     return handle, handle.start.remote()
+
+
+@functools.cache
+def _actor_class(cls: type) -> Any:
+    """`cls` as a Ray actor class, made once a process. Ray exports an actor class the first time a job
+    creates an actor of it, and a class made anew each launch was exported at every launch: hashing every
+    method's bytecode cost 20-25 ms of the launching thread (the gateway's event loop, when its planner
+    scales a pool) a worker."""
+    import ray
+
+    return ray.remote(cls)
 
 
 def launch_mocker(settings: Settings, worker_id: str, *, role: Role = "both", profile: str | None = None,
