@@ -215,9 +215,8 @@ class Settings(BaseSettings):
     # A block to prefill costs the new request far more time than a block another request holds while it
     # decodes: at 1 the load term wins and follow-up turns leave the worker holding their history (in
     # benchmarks.routing they went back to it 41% of the time at 1, every time at 8; docs/benchmarks.md).
-    overlap_weight: float = Field(8.0, ge=0, description="kv router: weight of a block to prefill (the "
-                                  "request's own, and those queued ahead of it) against a block of KV held by "
-                                  "requests in flight", json_schema_extra=_CLUSTER)
+    overlap_weight: float = Field(8.0, ge=0, description="kv router: weight of blocks to prefill against load "
+                                  "(blocks in flight)", json_schema_extra=_CLUSTER)
     router_temperature: float = Field(0.0, ge=0, description="kv router: 0 picks the cheapest worker, more "
                                       "samples among near-equal ones", json_schema_extra=_CLUSTER)
     # The guard is for a popular prefix piling up on one worker, not for the imbalance a few requests make:

@@ -400,40 +400,6 @@ def test_the_least_pending_worker_is_picked_without_a_router() -> None:
     assert run(go()) == "b"
 
 
-
-def test_the_router_weighs_a_request_s_prefill_until_its_first_delta_then_its_kv_until_it_ends() -> None:
-    from dynserve.hashing import hash_blocks
-    from dynserve.router.router import Router
-
-    a, b = ScriptedChannel("a"), ScriptedChannel("b")
-    router = Router("kv", block_size=4, salt=0, overlap_weight=8.0)
-    prompt = list(range(40))  # 10 blocks; a caches the first 6
-    router.index.resync("a", hash_blocks(prompt[:24], 4, 0), 0)
-    backend, _ = dispatcher([a, b], router=router)
-    loads: list[dict[str, float]] = []
-    generate = a.generate
-
-    def generate_and_look(req: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        loads.append(dict(router._active))  # as the worker starts on it: before its first delta
-        return generate(req)
-
-    a.generate = generate_and_look  # type: ignore[method-assign]
-
-    async def go() -> None:
-        await backend.start()
-        try:
-            async with contextlib.aclosing(backend.generate(request(prompt, max_tokens=6))) as stream:
-                async for _delta in stream:
-                    loads.append(dict(router._active))
-        finally:
-            await backend.stop()
-
-    run(go())
-    assert (len(a.requests), len(b.requests)) == (1, 0)
-    # (40 prompt + 6 new tokens) // 4 + 1 = 12 blocks of KV and 4 blocks to prefill: 12 + 8 * 4 until the first
-    # delta, then the KV alone, and nothing once it ended
-    assert loads[0] == {"a": 44.0} and loads[1:] == [{"a": 12.0}] * 6 and router._active == {"a": 0}
-
 # ---- disaggregated ---------------------------------------------------------------------------------------
 
 

@@ -122,8 +122,7 @@ class DisaggregatedBackend:
             local_prefill_tokens=self.local_prefill_tokens, max_prefill_queue=self.max_prefill_queue)
         for observer in self.observers:
             observer.on_disagg(path)
-        prefilled = (await self._prefill_remotely(request, channel, pull, overlap_blocks) if path == "remote"
-                     else None)
+        prefilled = await self._prefill_remotely(request, channel, pull) if path == "remote" else None
         if prefilled is not None and prefilled.kv_handle is None:  # the first token ended it (stop, length)
             yield prefilled
             return
@@ -160,16 +159,15 @@ class DisaggregatedBackend:
                 self.prefill.release(handle.worker_id, request.request_id)
 
     async def _prefill_remotely(self, request: GenerateRequest, channel: WorkerChannel | None,
-                                pull: tuple[WorkerChannel, int] | None = None,
-                                overlap_blocks: int = 0) -> TokenDelta | None:
-        """Run `request` prefill-only on the prefill pool (`channel` first, which caches `overlap_blocks` of
-        the prompt, pulling its prefix from another prefill worker as `pull` says); its one delta, or None
-        when no prefill worker could (counted as a fallback)."""
+                                pull: tuple[WorkerChannel, int] | None = None) -> TokenDelta | None:
+        """Run `request` prefill-only on the prefill pool (`channel` first, pulling the prompt's prefix from
+        another prefill worker as `pull` says); its one delta, or None when no prefill worker could (counted
+        as a fallback)."""
         prefilled: TokenDelta | None = None
         try:
             async with contextlib.aclosing(self.prefill.generate(
                     msgspec.structs.replace(request, prefill_only=True), first=channel,
-                    first_pull=pull, first_overlap=overlap_blocks)) as stream:
+                    first_pull=pull)) as stream:
                 async for delta in stream:
                     prefilled = delta
         except WorkerUnavailableError as exc:  # no prefill worker could do it: the decode worker will

@@ -198,11 +198,10 @@ class Dispatcher:
     # ---- streaming -------------------------------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest, first: WorkerChannel | None = None,
-                       first_pull: tuple[WorkerChannel, int] | None = None,
-                       first_overlap: int = 0) -> AsyncIterator[TokenDelta]:
-        """Stream `request` from one of the pool's workers (`first` if given, caching `first_overlap` of its
-        prompt's blocks and pulling its prefix as `first_pull` says: `pick_with_pull`), retrying elsewhere
-        until its first delta arrives, and migrating it when its worker fails mid-stream (see `_migration`)."""
+                       first_pull: tuple[WorkerChannel, int] | None = None) -> AsyncIterator[TokenDelta]:
+        """Stream `request` from one of the pool's workers (`first` if given, pulling its prefix as
+        `first_pull` says: `pick_with_pull`), retrying elsewhere until its first delta arrives, and migrating
+        it when its worker fails mid-stream (see `_migration`)."""
         tried: set[str] = set()
         sent: list[int] = []  # the tokens the client has had, over every worker the request ran on
         num_migrations, current = 0, request
@@ -210,9 +209,9 @@ class Dispatcher:
         while True:
             pull = None
             if first is None:
-                channel, overlap, pull = self.pick_with_pull(tried, current.token_ids)
+                channel, _overlap, pull = self.pick_with_pull(tried, current.token_ids)
             else:
-                channel, overlap, pull, first, first_pull = first, first_overlap, first_pull, None, None
+                channel, pull, first, first_pull = first, first_pull, None, None
             if channel is None:
                 raise WorkerUnavailableError(
                     f"no worker can take the request (tried {sorted(tried) or 'none'})", worker_id=None
@@ -228,18 +227,13 @@ class Dispatcher:
             self.num_routed[channel.worker_id] += 1
             if self.router is not None:
                 block_size = channel.info.block_size
-                held = max(overlap, pull[1] if pull is not None else 0)  # cached there, or read from a peer
                 self.router.routed(request.request_id, channel.worker_id,
-                                   (len(current.token_ids) + current.params.max_tokens) // block_size + 1,
-                                   prefill_blocks=max(0, len(current.token_ids) // block_size - held))
+                                   (len(current.token_ids) + current.params.max_tokens) // block_size + 1)
             reason: str | None = None
             try:
                 async with contextlib.aclosing(channel.generate(to_send)) as stream:
                     async for delta in stream:
-                        if not started:
-                            started = True
-                            if self.router is not None:
-                                self.router.started(request.request_id)
+                        started = True
                         if exported is not None:  # the chosen worker's read is over: the holder may let go
                             self.release(*exported)
                             exported = None

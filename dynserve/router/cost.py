@@ -1,16 +1,11 @@
 """The routing decision as pure functions: cost per worker from prefix overlap and load, the hot-spot guard,
 then the pick.
 
-    cost(worker) = overlap_weight * blocks_to_prefill(worker) + load(worker)
-    load(worker) = overlap_weight * blocks_queued_to_prefill(worker) + active_blocks(worker)
+    cost(worker) = overlap_weight * blocks_to_prefill(worker) + active_blocks(worker)
 
 `blocks_to_prefill` is the prompt's blocks the worker does not already hold (its prefix overlap from the
-index subtracted); the load is what the router sent there and has not seen finish: the prefill still ahead
-of a new request (the blocks its requests had to prefill, until their first token) weighed as the new
-request's own, and the KV they hold (`active_blocks`), which costs a newcomer far less. So the cost is, in
-units of a held block, the prefill work before the request's first token plus the decode work it shares
-the worker with. The router keeps the load (`Router.routed`, `started`, `finished`); here it is one number
-per worker, `active_blocks` in the signatures below. The lowest cost wins (ties: the earliest candidate); with `temperature > 0` the pick is
+index subtracted); `active_blocks` is the KV the worker is busy with (what the router sent and has not
+seen finish). The lowest cost wins (ties: the earliest candidate); with `temperature > 0` the pick is
 sampled from a softmax over costs normalized to [0, 1], which spreads load among near-equal workers.
 
 Tiers. A prefix block held on the device saves a whole block of prefill; one held on a lower medium saves
@@ -31,7 +26,7 @@ holder and it would pull, the decision names the holder (`pull_from`) and the bl
 Hot-spot guard: cache affinity can pile requests onto the worker holding a popular prefix faster than the
 load term pushes back. When the candidates' load is lopsided,
 
-    max(load) >= hot_spot_min_blocks  and  max(load) / mean(load) > hot_spot_ratio,
+    max(active) >= hot_spot_min_blocks  and  max(active) / mean(active) > hot_spot_ratio   (active blocks),
 
 load wins over cache: the least loaded candidate is picked (ties: more overlap, then the earliest). The
 ratio can not exceed the number of candidates (with 2 workers, 1.5 would mean the busier one carries more than
@@ -144,7 +139,7 @@ def pull_credits(overlaps: Mapping[str, int], credits: Mapping[str, float], cand
     return with_pulls, holder, held
 
 
-def costs(num_prompt_blocks: int, overlaps: Mapping[str, float], active_blocks: Mapping[str, float],
+def costs(num_prompt_blocks: int, overlaps: Mapping[str, float], active_blocks: Mapping[str, int],
           overlap_weight: float = 1.0) -> dict[str, float]:
     """Cost of each worker in `active_blocks` (the candidates) for a prompt of `num_prompt_blocks` blocks;
     `overlaps` are the blocks each saves (its overlap, or its tier credits)."""
@@ -164,7 +159,7 @@ def select(worker_costs: Mapping[str, float], temperature: float = 0.0, rng: ran
     return (rng or random).choices(list(worker_costs), weights)[0]
 
 
-def is_hot_spot(active_blocks: Sequence[float], policy: RoutingPolicy) -> bool:
+def is_hot_spot(active_blocks: Sequence[int], policy: RoutingPolicy) -> bool:
     """True when the busiest of the candidates (their loads in `active_blocks`) carries at least
     `hot_spot_min_blocks` and more than `hot_spot_ratio` times the mean load (compared without dividing,
     so an idle pool is never a hot spot)."""
@@ -174,7 +169,7 @@ def is_hot_spot(active_blocks: Sequence[float], policy: RoutingPolicy) -> bool:
 
 
 def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequence[str],
-           active_blocks: Mapping[str, float], policy: RoutingPolicy,
+           active_blocks: Mapping[str, int], policy: RoutingPolicy,
            rng: random.Random | None = None, cached_blocks: Callable[[str], int] | None = None,
            lower: Mapping[str, Sequence[int]] | None = None) -> Decision:
     """The worker among `candidates` (in preference order for ties) for a prompt of `num_prompt_blocks`
@@ -204,7 +199,7 @@ def choose(num_prompt_blocks: int, overlaps: Mapping[str, int], candidates: Sequ
 
 
 def _choose(num_prompt_blocks: int, overlaps: Mapping[str, float], candidates: Sequence[str],
-            active_blocks: Mapping[str, float], policy: RoutingPolicy, rng: random.Random | None,
+            active_blocks: Mapping[str, int], policy: RoutingPolicy, rng: random.Random | None,
             cached_blocks: Callable[[str], int] | None) -> Decision:
     """`choose` over blocks saved per worker (`overlaps`: held blocks, or tier credits); the decision's
     `overlap_blocks` is the chosen one's entry there (a credit, which `choose` replaces by blocks held)."""
@@ -218,7 +213,7 @@ def _choose(num_prompt_blocks: int, overlaps: Mapping[str, float], candidates: S
     return _cheapest(num_prompt_blocks, overlaps, candidates, loads, policy.overlap_weight, cached_blocks)
 
 
-def _loads(candidates: Sequence[str], active_blocks: Mapping[str, float]) -> Sequence[float]:
+def _loads(candidates: Sequence[str], active_blocks: Mapping[str, int]) -> Sequence[int]:
     """Each candidate's active blocks, in candidate order (0 for one `active_blocks` lacks)."""
     if len(candidates) < 2:
         if not candidates:
@@ -231,7 +226,7 @@ def _loads(candidates: Sequence[str], active_blocks: Mapping[str, float]) -> Seq
 
 
 def _cheapest(num_prompt_blocks: int, overlaps: Mapping[str, float], candidates: Sequence[str],
-              loads: Sequence[float], overlap_weight: float,
+              loads: Sequence[int], overlap_weight: float,
               cached_blocks: Callable[[str], int] | None = None) -> Decision:
     """Lowest (cost, position). A candidate holding none of the prompt costs `w * P + load`, so among
     those the first least loaded wins; the only other contenders are the workers with overlap. (When the
@@ -262,7 +257,7 @@ def _cheapest(num_prompt_blocks: int, overlaps: Mapping[str, float], candidates:
     return Decision(candidates[best_position], best_overlap)
 
 
-def _least_loaded(overlaps: Mapping[str, float], candidates: Sequence[str], loads: Sequence[float]) -> Decision:
+def _least_loaded(overlaps: Mapping[str, float], candidates: Sequence[str], loads: Sequence[int]) -> Decision:
     """The least loaded candidate; among equally loaded ones the one with the most overlap, then the first."""
     min_load = min(loads)
     least = loads.index(min_load)

@@ -6,12 +6,9 @@
   hot-spot guard);
 - `approximate`: the same decision, but the overlaps come from the router's own memory of which prompts it
   sent where (`approx.RouteMemory`, forgotten after a TTL), for deployments without an event plane;
-- `round_robin`, `random`, `least_loaded` (the least load, below): baselines that ignore the cache.
+- `round_robin`, `random`, `least_loaded` (fewest active blocks): baselines that ignore the cache.
 
-Load counts what this router sent and has not seen finish: each request's KV blocks ("active blocks") and,
-until its first token, the blocks it had to prefill there, weighed as a prefill block is
-(`overlap_weight`): a request's time to first token is its own prefill plus the prefills queued ahead of it,
-while a request that decodes holds KV but costs a newcomer little compute. `consume` resyncs a worker from
+Load ("active blocks") counts what this router sent and has not seen finish. `consume` resyncs a worker from
 its snapshot when its event numbers jump: its device blocks and, where the snapshot carries them, its host
 and disk blocks (`KVSnapshot.lower_block_hashes`; a worker that sends none has its lower media dropped until
 their events come again: an undercount, never a stale hit). This module is the shell around the pure parts
@@ -93,9 +90,8 @@ class Router:
         self._clock = clock
         self._rng = random.Random(seed)
         self._turn = itertools.count()
-        # request id -> (worker, KV blocks, blocks still to prefill: 0 once its first token came)
-        self._inflight: dict[str, tuple[str, int, int]] = {}
-        self._active: dict[str, float] = {}  # worker -> load: KV blocks + overlap_weight * blocks to prefill
+        self._inflight: dict[str, tuple[str, int]] = {}  # request id -> (worker, blocks)
+        self._active: dict[str, int] = {}
 
     @classmethod
     def from_settings(cls, settings: Settings, *, block_size: int, salt: int) -> Router:
@@ -158,29 +154,17 @@ class Router:
             self.observer.observe_decision(decision, len(hashes), decision_s)
         return decision
 
-    def routed(self, request_id: str, worker_id: str, num_blocks: int, prefill_blocks: int = 0) -> None:
-        """`request_id` went to `worker_id`, where it will hold `num_blocks` of KV and has `prefill_blocks`
-        of its prompt to prefill (what the worker does not cache) before its first token (`started`)."""
-        self._inflight[request_id] = (worker_id, num_blocks, prefill_blocks)
-        self._active[worker_id] = (self._active.get(worker_id, 0)
-                                   + num_blocks + self.policy.overlap_weight * prefill_blocks)
+    def routed(self, request_id: str, worker_id: str, num_blocks: int) -> None:
+        self._inflight[request_id] = (worker_id, num_blocks)
+        self._active[worker_id] = self._active.get(worker_id, 0) + num_blocks
         if self.observer is not None:
             self.observer.observe_routed(worker_id)
-
-    def started(self, request_id: str) -> None:
-        """`request_id`'s first token came: its prefill no longer stands ahead of the worker's next request."""
-        entry = self._inflight.get(request_id)
-        if entry is not None and entry[2]:
-            worker_id, num_blocks, prefill_blocks = entry
-            self._inflight[request_id] = (worker_id, num_blocks, 0)
-            self._active[worker_id] -= self.policy.overlap_weight * prefill_blocks
 
     def finished(self, request_id: str) -> None:
         entry = self._inflight.pop(request_id, None)
         if entry is not None:
-            worker_id, num_blocks, prefill_blocks = entry
-            load = self._active[worker_id] - num_blocks - self.policy.overlap_weight * prefill_blocks
-            self._active[worker_id] = load if load > 1e-9 else 0  # no float residue on an idle worker
+            worker_id, num_blocks = entry
+            self._active[worker_id] = self._active.get(worker_id, 0) - num_blocks
 
     def forget_worker(self, worker_id: str) -> None:
         if self.memory is not None:
