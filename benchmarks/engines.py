@@ -152,23 +152,33 @@ def warm_up(servers: list[VllmServer], model: str) -> None:
     log(f"warmed up the vLLM servers in {time.monotonic() - start_s:.0f} s")
 
 
+@contextmanager
+def front_end(phase: str, servers: list[VllmServer], model_dir: Path, sglang: Path,
+              log_dir: Path) -> Iterator[int]:
+    """What fronts `servers` in `phase` (`PHASES`): dynserve's gateway with the kv router or round robin, or
+    sglang-router; yields its port."""
+    if phase != "sglang":
+        with dynserve_gateway(servers, model_dir, "kv" if phase == "kv" else "round_robin", log_dir) as port:
+            yield port
+        return
+    router_service = start_sglang_router(sglang, [s.port for s in servers], log_dir)
+    try:
+        yield router_service.port
+    finally:
+        router_service.stop()
+
+
 def one_run(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, sglang: Path,
             log_dir: Path, num_c1: int, order: tuple[str, ...] = PHASES) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     for name in order:
         reset_caches(servers)
-        if name == "sglang":
-            router_service = start_sglang_router(sglang, [s.port for s in servers], log_dir)
-            try:
-                phases[name] = run_phase(name, router_service.port, plan, seed, model_dir.name)
-            finally:
-                router_service.stop()
-            continue
-        with dynserve_gateway(servers, model_dir, "kv" if name == "kv" else "round_robin", log_dir) as port:
+        with front_end(name, servers, model_dir, sglang, log_dir) as port:
             phases[name] = run_phase(name, port, plan, seed, model_dir.name)
     c1 = added_latency(servers[0], model_dir, log_dir, num_c1)
     kv = phases["kv"]["ttft_p50_ms"]
-    return {"order": list(order), "phases": phases, "c1": c1, "ttft_ratio_rr_over_kv": phases["rr"]["ttft_p50_ms"] / kv,
+    return {"order": list(order), "phases": phases, "c1": c1,
+            "ttft_ratio_rr_over_kv": phases["rr"]["ttft_p50_ms"] / kv,
             "ttft_ratio_sglang_over_kv": phases["sglang"]["ttft_p50_ms"] / kv,
             "vllm_cache_hit_rate_kv": phases["kv"]["cache_hit"], "added_p50_ms_c1": c1["added_p50_ms_c1"]}
 
