@@ -502,6 +502,35 @@ def test_without_prefill_workers_the_decode_worker_prefills() -> None:
     assert ("disagg", "no_prefill_worker") in recorder.events and ("down", "p") in recorder.events
 
 
+def test_a_gateway_started_on_the_first_prefill_worker_serves_once_a_decode_worker_joins() -> None:
+    # a gateway-only pod may find the fleet's prefill worker registered before any decode worker
+    p, d = ScriptedChannel("p", "prefill"), ScriptedChannel("d", "decode")
+    plane = MemoryEventPlane()
+    channels = {"p": p, "d": d}
+
+    def pool(roles: frozenset[str], infos: list[WorkerInfo], name: str) -> Dispatcher:
+        directory = WorkerDirectory(infos, registry=plane, roles=roles, registry_interval_s=3600,
+                                    channel_factory=lambda info: channels[info.worker_id])
+        return Dispatcher(directory, pool=name)
+
+    backend = DisaggregatedBackend(pool(frozenset({"prefill"}), [p.info], "prefill"),
+                                   pool(frozenset({"decode", "both"}), [], "decode"))
+    assert (backend.model_id, backend.max_model_len) == ("m", 4096)  # named by the prefill pool until then
+
+    async def go() -> list[TokenDelta]:
+        await plane.register(p.info, ttl_s=60)
+        await backend.start()
+        try:
+            await plane.register(d.info, ttl_s=60)
+            await backend.decode.directory.refresh_members()
+            return await collect(backend.generate(request()))
+        finally:
+            await backend.stop()
+
+    assert tokens_of(run(go())) == greedy([5, 6, 7, 8, 9], 10)
+    assert d.requests[0].remote_prefill is not None and backend.decode.directory.has_identity
+
+
 # ---- membership and readiness ----------------------------------------------------------------------------
 
 

@@ -91,6 +91,11 @@ class WorkerDirectory:
         return self._identity
 
     @property
+    def has_identity(self) -> bool:
+        """Whether any worker has been seen (then `identity` answers)."""
+        return self._identity is not None
+
+    @property
     def max_model_len(self) -> int:
         if not self.channels:
             return self.identity.max_model_len

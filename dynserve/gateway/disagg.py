@@ -83,11 +83,17 @@ class DisaggregatedBackend:
 
     @property
     def model_id(self) -> str:
-        return self.decode.model_id
+        """The decode pool's model, or the prefill pool's while no decode worker has registered yet (a
+        gateway may start on the fleet's first prefill worker)."""
+        return self._serving().model_id
 
     @property
     def max_model_len(self) -> int:
-        return self.decode.max_model_len
+        return self._serving().max_model_len
+
+    def _serving(self) -> Dispatcher:
+        """The pool that names what this backend serves: decode once any decode worker was seen."""
+        return self.decode if self.decode.directory.has_identity else self.prefill
 
     def pools(self) -> list[tuple[str, Dispatcher]]:
         return [("decode", self.decode), ("prefill", self.prefill)]
