@@ -3,7 +3,7 @@
 Everything here is a `msgspec.Struct` so it travels as MessagePack between the gateway, workers and the
 router. KV events form a tagged union; each carries its worker's sequence number (`event_id`) so a consumer
 can detect gaps and resync from a snapshot. The worker channel speaks two tagged unions: `ClientFrame`
-(gateway to worker: generate, abort, release, load, snapshot) and `WorkerFrame` (worker to gateway: batches
+(gateway to worker: generate, abort, release, hand back, load, snapshot) and `WorkerFrame` (worker to gateway: batches
 of deltas, request errors, loads, snapshots). Every TCP stream of ours between dynserve processes (the worker
 channel, the embedded event plane) opens with one `Hello` from the client, carrying the cluster's token.
 
@@ -31,6 +31,7 @@ __all__ = [
     "DeltaBatch",
     "GenerateRequest",
     "Grammar",
+    "HandBackRequest",
     "Hello",
     "KVEvent",
     "KVHandle",
@@ -43,6 +44,7 @@ __all__ = [
     "RequestTiming",
     "MAX_TOP_LOGPROBS",
     "MEDIA",
+    "REQUEUE",
     "SamplingParams",
     "TokenDelta",
     "TokenLogprob",
@@ -52,6 +54,9 @@ __all__ = [
 ]
 
 MAX_TOP_LOGPROBS = 20
+# the finish reason of a request a worker handed back before starting it (`HandBackRequest`): internal, never
+# a client's; the gateway sends the request to another worker
+REQUEUE = "requeue"
 
 
 class Grammar(msgspec.Struct, frozen=True, kw_only=True):
@@ -136,13 +141,14 @@ class TokenDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefill-only request; `kv_fallback` on a decode worker's first delta when it could not use the
     transferred KV and prefilled locally (the reason: "transfer_error", "transfer_timeout", "no_blocks", "lease_expired").
     A request that pulled its prefix from a peer (`GenerateRequest.peer_prefix`) says on its first delta how
-    many blocks it read (`kv_pulled_blocks`), or why it read none (`kv_fallback`)."""
+    many blocks it read (`kv_pulled_blocks`), or why it read none (`kv_fallback`). A request handed back
+    unstarted (`HandBackRequest`) ends with one delta without tokens, finished with reason `REQUEUE`."""
 
     request_id: str
     token_ids: list[int]
     text: str = ""
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled" | "exported" | REQUEUE
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -196,6 +202,14 @@ class ReleaseRequest(msgspec.Struct, tag="release"):
     request_id: str
 
 
+class HandBackRequest(msgspec.Struct, tag="hand_back"):
+    """Hand back up to `max_requests` of this connection's queued requests that have not started (nothing
+    computed, scheduled or read for them, no token produced), newest first, the head of the queue kept: each
+    ends with a `REQUEUE` delta and its gateway sends it elsewhere (a worker joined the pool). No reply."""
+
+    max_requests: int
+
+
 class LoadRequest(msgspec.Struct, tag="load"):
     pass
 
@@ -204,7 +218,7 @@ class SnapshotRequest(msgspec.Struct, tag="snapshot"):
     pass
 
 
-ClientFrame = GenerateRequest | AbortRequest | ReleaseRequest | LoadRequest | SnapshotRequest
+ClientFrame = GenerateRequest | AbortRequest | ReleaseRequest | HandBackRequest | LoadRequest | SnapshotRequest
 
 
 class Hello(msgspec.Struct, tag="hello"):

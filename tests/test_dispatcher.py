@@ -1,7 +1,7 @@
 """The gateway's backend on scripted in-memory channels (`ScriptedChannel`, a fake of our own `WorkerChannel`
 interface): retry before the first token, migration after it, the migration limit, abort-migration, the
 disaggregated path (first token at once, release exactly once, prefill failure and KV-read fallbacks),
-membership from a registry, and readiness. Milliseconds each; the Ray end-to-end tests keep what needs real
+membership from a registry, readiness, and requests handed back unstarted to a worker that joins. Milliseconds each; the Ray end-to-end tests keep what needs real
 workers (a real model's greedy answer across a killed worker, real KV pages)."""
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from dynserve.gateway.backend import BackendObserver, WorkerChannel
 from dynserve.gateway.directory import WorkerDirectory
 from dynserve.gateway.disagg import DisaggregatedBackend
 from dynserve.gateway.dispatcher import Dispatcher
+from dynserve.gateway.directory import hand_back_shares
+from dynserve.gateway.metrics import GatewayMetrics
 from dynserve.protocol import (
+    REQUEUE,
     GenerateRequest,
     Grammar,
     KVHandle,
@@ -54,7 +57,9 @@ class ScriptedChannel:
     many tokens of the next request. `abort_after`: the worker cuts the next request after that many tokens
     (finish_reason "abort", as a drain that ran out of time does). As a prefill worker, a `prefill_only`
     request gets one delta with the first token and a KV handle; `read_fails` makes a decode worker report a
-    failed read (it prefills itself). `released` and `aborted` record those calls."""
+    failed read (it prefills itself). `released` and `aborted` record those calls. `busy`: requests queue
+    (no token yet) until it is cleared; `hand_back(n)` ends up to n of the queued ones, newest first, the
+    oldest kept, with a `REQUEUE` delta, as a worker's engine does (`hand_backs` records the calls)."""
 
     def __init__(self, worker_id: str, role: str = "both") -> None:
         self.info = WorkerInfo(worker_id=worker_id, role=role, host="fake", port=0, model_id="m",
@@ -65,6 +70,10 @@ class ScriptedChannel:
         self.requests: list[GenerateRequest] = []
         self.released: list[str] = []
         self.aborted: list[str] = []
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.queued: dict[str, asyncio.Event] = {}  # waiting request id -> set when handed back
+        self.hand_backs: list[int] = []
         self.reported = WorkerLoad(worker_id=worker_id, role=role, num_blocks_used=0, num_blocks_total=64,
                                    num_running=0, num_waiting=0)
 
@@ -102,6 +111,32 @@ class ScriptedChannel:
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
+    def hold(self) -> None:
+        """Queue every request from now on, until `serve`."""
+        self.idle.clear()
+
+    def serve(self) -> None:
+        self.idle.set()
+
+    def hand_back(self, max_requests: int) -> None:
+        self.hand_backs.append(max_requests)
+        for request_id in list(self.queued)[1:][::-1][:max_requests]:
+            self.queued.pop(request_id).set()
+
+    async def _queue(self, request: GenerateRequest) -> bool:
+        """Wait while held; True when the request was handed back meanwhile."""
+        if self.idle.is_set():
+            return False
+        handed = self.queued[request.request_id] = asyncio.Event()
+        waits = [asyncio.ensure_future(self.idle.wait()), asyncio.ensure_future(handed.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+            self.queued.pop(request.request_id, None)
+        return handed.is_set()
+
     def _drop(self) -> WorkerUnavailableError:
         self.open = False
         return WorkerUnavailableError(f"worker {self.worker_id} went away", worker_id=self.worker_id)
@@ -117,6 +152,11 @@ class ScriptedChannel:
                 self.fail_before_first = False
                 raise self._drop()
             prompt = request.token_ids
+            if await self._queue(request):
+                finished = True
+                yield TokenDelta(request_id=request.request_id, token_ids=[], finished=True, finish_reason=REQUEUE,
+                                 num_prompt_tokens=len(prompt))
+                return
             tokens = greedy(prompt, request.params.max_tokens)
             usage = {"num_prompt_tokens": len(prompt), "num_cached_tokens": 0}
             if request.prefill_only:
@@ -174,6 +214,9 @@ class Recorder(BackendObserver):
 
     def on_leave(self, info: WorkerInfo) -> None:
         self.events.append(("leave", info.worker_id))
+
+    def on_requeue(self) -> None:
+        self.events.append(("requeue", None))
 
 
 def run(coro: Coroutine[Any, Any, T]) -> T:
@@ -609,3 +652,135 @@ def test_a_dropped_channel_is_out_of_picking_and_back_after_it_reconnects() -> N
             await backend.stop()
 
     run(go())
+
+
+# ---- hand-back: queued requests move to a worker that joins ----------------------------------------------
+
+
+def joining_pool(names: tuple[str, ...], role: str = "both") -> tuple[dict[str, ScriptedChannel], MemoryEventPlane,
+                                                                     WorkerDirectory]:
+    channels = {name: ScriptedChannel(name, role) for name in names}
+    plane = MemoryEventPlane()
+    directory = WorkerDirectory([], registry=plane, channel_factory=lambda info: channels[info.worker_id],
+                                registry_interval_s=3600)
+    return channels, plane, directory
+
+
+async def queued_on(channel: ScriptedChannel, num: int) -> None:
+    while len(channel.queued) < num:
+        await asyncio.sleep(0)
+
+
+def test_hand_back_shares_bring_each_member_to_the_pools_mean_at_most_its_queue() -> None:
+    assert hand_back_shares({"a": 6, "b": 0}, {"a": 5}, {"b"}) == {"a": 3}
+    assert hand_back_shares({"a": 6, "b": 0}, {"a": 1}, {"b"}) == {"a": 1}  # only what is queued
+    assert hand_back_shares({"a": 6, "b": 2, "c": 0}, {"a": 5, "b": 2}, {"c"}) == {"a": 3}
+    assert hand_back_shares({"a": 1, "b": 0}, {"a": 1}, {"b"}) == {}  # nothing above the mean
+    assert hand_back_shares({"b": 0}, {}, {"b"}) == {}
+
+
+def test_requests_queued_on_a_busy_worker_are_served_by_a_worker_that_joins() -> None:
+    channels, plane, directory = joining_pool(("a", "b"))
+    a, b = channels["a"], channels["b"]
+    backend = Dispatcher(directory)
+    recorder, metrics = Recorder(), GatewayMetrics()
+    backend.add_observer(recorder)
+    backend.add_observer(metrics)
+    prompts = {f"r{i}": [5 + i, 6, 7, 8, 9] for i in range(4)}
+
+    async def go() -> dict[str, list[TokenDelta]]:
+        await plane.register(a.info, ttl_s=60)
+        await backend.start()
+        try:
+            a.hold()  # a is busy: what it is sent queues there
+            tasks = {rid: asyncio.create_task(collect(backend.generate(request(p, 6, rid))))
+                     for rid, p in prompts.items()}
+            await queued_on(a, 4)
+            a.reported = msgspec.structs.replace(a.reported, num_waiting=4)
+            await plane.register(b.info, ttl_s=60)
+            await directory.refresh_members()  # b joins: a is asked to hand back 2 (4 pending against 0)
+            await asyncio.wait_for(asyncio.gather(tasks["r2"], tasks["r3"]), 5)  # b served them meanwhile
+            a.serve()
+            return {rid: await task for rid, task in tasks.items()}
+        finally:
+            await backend.stop()
+
+    answers = run(go())
+    assert a.hand_backs == [2] and sorted(r.request_id for r in b.requests) == ["r2", "r3"]  # the newest two
+    for rid, deltas in answers.items():  # every answer whole, once, and no requeue reaches the client
+        assert tokens_of(deltas) == greedy(prompts[rid], 6) and deltas[-1].finish_reason == "length"
+        assert all(d.finish_reason != REQUEUE for d in deltas)
+    assert recorder.events == [("requeue", None)] * 2
+    assert metrics.registry.get_sample_value("dynserve_gateway_requeues_total") == 2
+
+
+def test_a_request_that_started_is_not_handed_back_and_a_requeue_after_a_token_migrates() -> None:
+    channels, plane, directory = joining_pool(("a", "b"))
+    a, b = channels["a"], channels["b"]
+    backend = Dispatcher(directory)
+    recorder = Recorder()
+    backend.add_observer(recorder)
+
+    async def go() -> list[TokenDelta]:
+        await plane.register(a.info, ttl_s=60)
+        await backend.start()
+        try:
+            async with contextlib.aclosing(backend.generate(request(max_tokens=8))) as stream:
+                first = await anext(stream)  # it runs on a
+                a.reported = msgspec.structs.replace(a.reported, num_running=1, num_waiting=3)
+                await plane.register(b.info, ttl_s=60)
+                await directory.refresh_members()
+                return [first, *[delta async for delta in stream]]
+        finally:
+            await backend.stop()
+
+    deltas = run(go())
+    assert a.hand_backs == [2] and not b.requests  # asked, but nothing of it was queued
+    assert tokens_of(deltas) == greedy([5, 6, 7, 8, 9], 8) and recorder.events == []
+
+    # a worker that breaks the rule (a requeue after a token) costs a migration, never a duplicate
+    class Late(ScriptedChannel):
+        async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
+            self.requests.append(request)
+            token = greedy(request.token_ids, 1)[0]
+            yield TokenDelta(request_id=request.request_id, token_ids=[token], num_output_tokens=1)
+            yield TokenDelta(request_id=request.request_id, token_ids=[], finished=True, finish_reason=REQUEUE)
+
+    late, c = Late("late"), ScriptedChannel("c")
+    backend, recorder = dispatcher([late, c])
+    deltas = run(served(backend, request(max_tokens=8)))
+    assert tokens_of(deltas) == greedy([5, 6, 7, 8, 9], 8) and recorder.events == [("migration", "worker_aborted")]
+
+
+def test_a_handed_back_prefill_is_prefilled_by_the_prefill_worker_that_joins() -> None:
+    channels, plane, directory = joining_pool(("p0", "p1"), "prefill")
+    p0, p1 = channels["p0"], channels["p1"]
+    d = ScriptedChannel("d", "decode")
+    decode, _ = dispatcher([d], pool="decode")
+    backend = DisaggregatedBackend(Dispatcher(directory, pool="prefill"), decode, max_prefill_queue=100)
+    recorder = Recorder()
+    backend.add_observer(recorder)
+
+    async def go() -> dict[str, list[TokenDelta]]:
+        await plane.register(p0.info, ttl_s=60)
+        await backend.start()
+        try:
+            p0.hold()
+            tasks = {rid: asyncio.create_task(collect(backend.generate(request(rid=rid)))) for rid in ("r0", "r1")}
+            await queued_on(p0, 2)
+            p0.reported = msgspec.structs.replace(p0.reported, num_waiting=2)
+            await plane.register(p1.info, ttl_s=60)
+            await directory.refresh_members()
+            answer = await asyncio.wait_for(tasks["r1"], 5)
+            p0.serve()
+            return {"r0": await tasks["r0"], "r1": answer}
+        finally:
+            await backend.stop()
+
+    answers = run(go())
+    assert [r.request_id for r in p1.requests] == ["r1"] and p1.requests[0].prefill_only
+    assert all(tokens_of(deltas) == greedy([5, 6, 7, 8, 9], 10) for deltas in answers.values())
+    handles = {r.request_id: r.remote_prefill.handle.worker_id for r in d.requests if r.remote_prefill}
+    assert handles == {"r0": "p0", "r1": "p1"}  # the decode worker reads each prompt where it was prefilled
+    assert p0.released == ["r0"] and p1.released == ["r1"]
+    assert recorder.events.count(("requeue", None)) == 1

@@ -26,6 +26,10 @@ Peer pulls (`Settings.kv_peer_pulls`) reuse both halves:
   them as computed (cached tokens) and the request prefills only the rest, or, when the read failed,
   prefills them too. Its first delta says how many blocks it pulled (`kv_pulled_blocks`) or why none.
 
+Hand-back (`shed`): requests queued and never started (nothing computed, scheduled or read for them, no
+token, no peer pull's outcome to tell) leave from the queue's tail, each ending with one delta of reason
+`REQUEUE`, so the gateway sends them to a worker that joined the pool; the queue's head stays.
+
 Structured output (`structured.py`): a request with a grammar gets its matcher when it is added, fed the
 prompt's last `grammar.num_prior_tokens` tokens (a migrated request's earlier output) and, on a decode
 worker, the prefill worker's first token; each appended token advances it, and the request finishes with
@@ -45,6 +49,7 @@ import abc
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -60,7 +65,7 @@ from dynserve.engine.structured import GrammarState, MaskTimings
 from dynserve.errors import InvalidRequestError
 from dynserve.hashing import model_salt
 from dynserve.model.tokenizer import Tokenizer, ids_in_vocab
-from dynserve.protocol import KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
+from dynserve.protocol import REQUEUE, KVEvent, KVHandle, RemotePrefill, SamplingParams, TokenDelta, TokenLogprob
 
 if TYPE_CHECKING:
     from dynserve.engine.kv_tier_book import TierBook
@@ -404,6 +409,24 @@ class EngineCore(abc.ABC):
             return self.release(request_id)
         self.scheduler.finish(request.seq, "abort")
         return True
+
+    def shed(self, max_requests: int, allowed: Callable[[str], bool] | None = None) -> list[TokenDelta]:
+        """Hand back up to `max_requests` queued requests that never started, newest first, never the queue's
+        head (`Scheduler.shed`), nor one whose peer pull has an outcome to tell; `allowed(request_id)`
+        narrows them (a connection's own). Each ends here with one finished delta of reason `REQUEUE` and
+        no tokens; it held no blocks and computed nothing, so `stats` forget its prompt."""
+        def can_go(seq: Sequence) -> bool:
+            request = self._requests[seq.request_id]
+            return (not request.pulled_blocks and request.pull_fallback is None
+                    and (allowed is None or allowed(seq.request_id)))
+
+        deltas = []
+        for seq in self.scheduler.shed(max_requests, can_go):
+            del self._requests[seq.request_id]
+            self.stats.num_prompt_tokens -= seq.num_prompt_tokens
+            deltas.append(TokenDelta(request_id=seq.request_id, token_ids=[], finished=True, finish_reason=REQUEUE,
+                                     num_prompt_tokens=seq.num_prompt_tokens))
+        return deltas
 
     @property
     def next_step_s(self) -> float:

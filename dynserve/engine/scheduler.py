@@ -4,7 +4,8 @@ Policy (FCFS): running sequences first, in admission order, each computing all i
 for a decode, a chunk for a prefill) within a per-step token budget, so prefill chunks and decodes share a
 step. When a running sequence cannot get a block, the newest running sequence is preempted by recompute
 (its blocks freed, back to the front of the queue). Waiting sequences are admitted while the budget, the
-sequence limit and the blocks allow, and never in a step that preempted.
+sequence limit and the blocks allow, and never in a step that preempted. `shed` takes waiting sequences
+that never started out of the queue, from its tail (a worker that joined the pool can take them sooner).
 
 Invariants: a sequence is in at most one of `waiting` / `running`; a running sequence holds blocks for every
 token it has computed or is scheduled to compute.
@@ -13,6 +14,7 @@ token it has computed or is scheduled to compute.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dynserve.engine.block_manager import BlockManager
@@ -86,6 +88,24 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "prefilled"
+
+    def shed(self, max_seqs: int, allowed: Callable[[Sequence], bool]) -> list[Sequence]:
+        """Take up to `max_seqs` waiting sequences out of the queue, newest first, and return them finished
+        (reason "requeue"): only ones that never started (nothing computed, no block held, no token produced,
+        never preempted) and that `allowed` lets go, never the queue's head (it runs next). They hold
+        nothing, so nothing is freed."""
+        shed: list[Sequence] = []
+        for seq in reversed(self.waiting):
+            if len(shed) >= max_seqs or seq is self.waiting[0]:
+                break
+            if (seq.num_computed_tokens == 0 and not seq.block_table and seq.num_preemptions == 0
+                    and seq.num_output_tokens == 0 and allowed(seq)):
+                shed.append(seq)
+        for seq in shed:
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "requeue"
+        return shed
 
     def check_fits(self, seq: Sequence) -> None:
         """Raise CacheCapacityError if `seq` could never fit in the whole cache."""

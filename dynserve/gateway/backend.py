@@ -64,6 +64,13 @@ class WorkerChannel(Protocol):
         """Free the KV a prefill worker holds for `request_id` (harmless when it holds none)."""
         ...
 
+    def hand_back(self, max_requests: int) -> None:
+        """Ask the worker to hand back up to `max_requests` of the requests this gateway queued on it that have
+        not started: each of their streams ends with one delta of reason `protocol.REQUEUE` and no tokens, for
+        the dispatcher to send elsewhere. Harmless when none is queued; a no-op for channels whose worker
+        cannot (an OpenAI server)."""
+        ...
+
 
 def make_channel(info: WorkerInfo, tokenizer: Tokenizer | None = None) -> WorkerChannel:
     """The channel to `info`'s worker, by its engine (an OpenAI server's needs the gateway's `tokenizer`)."""
@@ -96,6 +103,10 @@ class BackendObserver:
 
     def on_migration(self, reason: str) -> None:
         """A request moved to another worker mid-stream (`worker_failed`, `worker_aborted`)."""
+
+    def on_requeue(self) -> None:
+        """A worker handed back a queued request before starting it (a member joined the pool) and it goes to
+        another worker."""
 
     def on_disagg(self, path: str) -> None:
         """Where a disaggregated request was prefilled (`disagg.prefill_path`)."""

@@ -12,6 +12,12 @@ forgets it), reconnected on the next load poll if it still answers.
 
 A worker that leaves keeps its channel until the streams it is serving end, so draining never cuts a
 response; it gets no new request.
+
+Hand-back (`hand_back_on_join`): requests are bound to a worker when they are sent, so one queued on a busy
+member would wait there while a member that just joined (a pool scaling up) idles. When members join, every
+load is read again and each member with more requests than the pool's mean (the joiners' none included)
+is asked to hand back that excess of its queued, never started ones (`hand_back_shares`); the dispatcher
+sends each on to another worker (`Dispatcher.generate`).
 """
 
 from __future__ import annotations
@@ -19,15 +25,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from dynserve.errors import WorkerUnavailableError
 from dynserve.events.base import EventPlane
 from dynserve.gateway.backend import BackendObserver, WorkerChannel, make_channel
 from dynserve.protocol import KVSnapshot, WorkerInfo, WorkerLoad
 
-__all__ = ["WorkerDirectory", "membership_changes"]
+__all__ = ["WorkerDirectory", "hand_back_shares", "membership_changes"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +47,19 @@ def membership_changes(current: Mapping[str, WorkerInfo],
     removed = [wid for wid, info in current.items() if by_id.get(wid) != info]
     added = [info for wid, info in by_id.items() if current.get(wid) != info]
     return added, removed
+
+
+def hand_back_shares(pending: Mapping[str, int], waiting: Mapping[str, int],
+                     joined: Collection[str]) -> dict[str, int]:
+    """How many queued requests each member should hand back when `joined` join the pool: what it holds
+    (`pending`: queued or running) above the mean over every member, joiners included, at most what it has
+    queued (`waiting`). Members without an excess, and the joiners, are left out."""
+    if not pending:
+        return {}
+    mean = sum(pending.values()) / len(pending)
+    shares = {wid: min(waiting.get(wid, 0), math.floor(num - mean)) for wid, num in pending.items()
+              if wid not in joined}
+    return {wid: share for wid, share in shares.items() if share > 0}
 
 
 class WorkerDirectory:
@@ -57,11 +77,13 @@ class WorkerDirectory:
         poll_interval_s: float = 0.5,
         registry_grace_s: float = 3.0,
         cluster_token: str | None = None,
+        hand_back_on_join: bool = True,
     ) -> None:
         """`roles`: only workers of these roles are members (None: any); `model_id`: only workers serving that
         model (None: any; a gateway serving several models has a directory per model). `registry_grace_s`: how long members
         that vanished from the registry together stay (Settings.worker_lease_s). `cluster_token` is presented
-        to every worker on connecting (Settings.cluster_token)."""
+        to every worker on connecting (Settings.cluster_token). `hand_back_on_join`: when workers join, the busier
+        members hand back queued requests that have not started (see the module's docstring)."""
         self.roles, self.model_id = roles, model_id
         infos = [info for info in infos if self._admits(info)]
         if not infos and registry is None:
@@ -77,6 +99,7 @@ class WorkerDirectory:
         self._poll_interval_s, self._registry_interval_s = poll_interval_s, registry_interval_s
         self.registry_grace_s = registry_grace_s
         self._cluster_token = cluster_token
+        self.hand_back_on_join = hand_back_on_join
         self._missing_since: dict[str, float] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -180,7 +203,26 @@ class WorkerDirectory:
         self._missing_since = {w: t for w, t in self._missing_since.items()
                                if w in self.channels and w not in listed_ids}
         joined = [self._join(info) for info in added]
-        await asyncio.gather(*(self._poll(c) for c in joined))
+        if not joined:
+            return
+        if not self.hand_back_on_join:
+            await asyncio.gather(*(self._poll(c) for c in joined))
+            return
+        await self.poll_once()  # every member's load now, not up to a poll old
+        self._hand_back_to({c.worker_id for c in joined if c.is_open})
+
+    def _hand_back_to(self, joined: set[str]) -> None:
+        """Ask the members with more than their share to hand back queued requests (`hand_back_shares`)."""
+        if not joined:
+            return
+        members = self.open_channels()
+        waiting = {wid: load.num_waiting for wid, load in self.loads.items()}
+        shares = hand_back_shares({c.worker_id: self.pending(c) for c in members}, waiting, joined)
+        for worker_id, share in shares.items():
+            logger.info("worker %s: asking it to hand back up to %d queued requests for %s", worker_id, share,
+                        ", ".join(sorted(joined)))
+            with contextlib.suppress(WorkerUnavailableError):
+                self.channels[worker_id].hand_back(share)
 
     def _join(self, info: WorkerInfo) -> WorkerChannel:
         logger.info("worker %s (%s, %s) joined at %s:%d", info.worker_id, info.role, info.engine, info.host,

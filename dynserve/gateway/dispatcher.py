@@ -17,6 +17,12 @@ worker's first delta shows the read is over, or the attempt ends, exactly once. 
 (gone, busy past the timeout, its blocks evicted meanwhile) costs the pull, not the request: the chosen
 worker prefills, as it does after a failed read. Each outcome is counted (`BackendObserver.on_pull`).
 
+Hand-back: when a worker joins the pool, the directory asks the busier members to hand back requests queued
+on them that have not started (`WorkerDirectory`'s hand-back); each such stream ends with one `REQUEUE`
+delta before any token, and the request goes to another worker (not the one that handed it back, unless no
+other is open), where the router sees the joiner's low load. Counted (`BackendObserver.on_requeue`); the
+client sees nothing of it.
+
 A `Dispatcher` is also the aggregated `Backend`.
 """
 
@@ -34,7 +40,15 @@ import msgspec
 from dynserve.errors import WorkerUnavailableError
 from dynserve.gateway.backend import BackendObserver, WorkerChannel
 from dynserve.gateway.directory import WorkerDirectory
-from dynserve.protocol import GenerateRequest, KVHandle, KVSnapshot, SamplingParams, TokenDelta, WorkerInfo
+from dynserve.protocol import (
+    REQUEUE,
+    GenerateRequest,
+    KVHandle,
+    KVSnapshot,
+    SamplingParams,
+    TokenDelta,
+    WorkerInfo,
+)
 from dynserve.router.router import Router
 
 __all__ = ["EXPORT_TIMEOUT_S", "Backend", "Dispatcher", "pull_outcome"]
@@ -206,10 +220,14 @@ class Dispatcher:
         sent: list[int] = []  # the tokens the client has had, over every worker the request ran on
         num_migrations, current = 0, request
         num_cached: int | None = None
+        handed_back: str | None = None  # the last worker that handed the request back unstarted
         while True:
             pull = None
             if first is None:
-                channel, _overlap, pull = self.pick_with_pull(tried, current.token_ids)
+                exclude = tried if handed_back is None else tried | {handed_back}
+                channel, _overlap, pull = self.pick_with_pull(exclude, current.token_ids)
+                if channel is None and handed_back is not None:  # no other worker is open: back where it was
+                    channel, _overlap, pull = self.pick_with_pull(tried, current.token_ids)
             else:
                 channel, pull, first, first_pull = first, first_pull, None, None
             if channel is None:
@@ -230,9 +248,16 @@ class Dispatcher:
                 self.router.routed(request.request_id, channel.worker_id,
                                    (len(current.token_ids) + current.params.max_tokens) // block_size + 1)
             reason: str | None = None
+            requeued = False
             try:
                 async with contextlib.aclosing(channel.generate(to_send)) as stream:
                     async for delta in stream:
+                        if delta.finish_reason == REQUEUE:
+                            if not started:  # handed back before it started: another worker takes it
+                                requeued = True
+                                break
+                            # never after a token (the engine sheds only unstarted requests): a cut, as a drain's
+                            delta = msgspec.structs.replace(delta, finish_reason="abort")
                         started = True
                         if exported is not None:  # the chosen worker's read is over: the holder may let go
                             self.release(*exported)
@@ -255,7 +280,7 @@ class Dispatcher:
                             yield delta
                         if reason is not None:
                             break
-                if reason is None:
+                if reason is None and not requeued:
                     return
             except WorkerUnavailableError as exc:
                 if not started:
@@ -273,6 +298,13 @@ class Dispatcher:
                     self.release(*exported)
                 if self.router is not None:
                     self.router.finished(request.request_id)
+            if requeued:
+                handed_back = channel.worker_id
+                logger.info("request %s: worker %s handed it back unstarted; sending it to another worker",
+                            request.request_id, channel.worker_id)
+                for observer in self.observers:
+                    observer.on_requeue()
+                continue
             num_migrations += 1
             tried = {channel.worker_id}
             current = self._migration(request, sent, channel.worker_id, reason)

@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics, on a registry of its own (several gateways may share a process in tests):
 what only the gateway sees. Request-level: requests by endpoint and status, time to first token, inter-token
-latency, end-to-end time, prompt and generated length (ISL, OSL), rejections, retries, disaggregation paths
+latency, end-to-end time, prompt and generated length (ISL, OSL), rejections, retries, requeues (requests a
+worker handed back unstarted when another joined its pool), disaggregation paths
 and fallbacks; and the gateway's channel to each worker (`dynserve_gateway_worker_up`). A worker's own state
 (queue, KV, steps, transfers) is served by the worker itself (`workers/metrics.py`), not mirrored here.
 
@@ -108,6 +109,8 @@ class GatewayMetrics(BackendObserver):
             self.rejected.labels(reason)
         self.retries = Counter("dynserve_gateway_retries", "Requests re-sent to another worker after a failure",
                                registry=registry)
+        self.requeues = Counter("dynserve_gateway_requeues", "Requests a worker handed back before starting them "
+                                "(a worker joined its pool) and sent to another worker", registry=registry)
         self.migrations = Counter("dynserve_migrations", "Requests moved to another worker mid-stream, by reason "
                                   "(worker_failed: its channel dropped; worker_aborted: it cut the request)",
                                   ["reason"], registry=registry)
@@ -224,6 +227,9 @@ class GatewayMetrics(BackendObserver):
 
     def on_retry(self) -> None:
         self.retries.inc()
+
+    def on_requeue(self) -> None:
+        self.requeues.inc()
 
     def on_migration(self, reason: str) -> None:
         self.migrations.labels(reason).inc()

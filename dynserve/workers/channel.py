@@ -37,6 +37,7 @@ from dynserve.protocol import (
     ClientFrame,
     DeltaBatch,
     GenerateRequest,
+    HandBackRequest,
     Hello,
     KVSnapshot,
     LoadRequest,
@@ -265,6 +266,13 @@ class WorkerConnection:
         connection is gone (its lease runs out instead)."""
         if self.is_open:
             self._send(ReleaseRequest(request_id))
+
+    def hand_back(self, max_requests: int) -> None:
+        """Ask the worker to hand back up to `max_requests` of this connection's queued requests that have not
+        started: each stream then ends with a `REQUEUE` delta (the dispatcher sends it elsewhere). Harmless
+        when none is queued or the connection is gone."""
+        if self.is_open and max_requests > 0:
+            self._send(HandBackRequest(max_requests))
 
     def abort(self, request_id: str) -> None:
         """Stop a request; harmless if it already finished or the connection is gone."""

@@ -14,7 +14,8 @@ loop). A read that fails becomes a local prefill, never a failed request. While 
 lease, an idle driver wakes when the oldest ends. A step that can schedule nothing (`EngineCore.stalled`:
 waiting prompts find no free blocks while prefills hold theirs under lease) makes the driver wait the same
 way, for a command (a release, an abort, a new request, a read's end) or the next lease's end, instead of
-stepping again in a spin.
+stepping again in a spin. `hand_back` ends a sink's queued, never started requests with a `REQUEUE` delta
+each (a worker joined the pool: their gateway sends them there).
 
 Invariants: the engine is single-threaded and only its driver touches it while a worker runs; every
 submitted request ends with exactly one finished delta or one error at its sink, unless it was aborted (an
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from dynserve.engine.core import EngineCore, ReceivePlan
 from dynserve.errors import InvalidRequestError, KVTransferTimeoutError
 from dynserve.protocol import (
+    REQUEUE,
     GenerateRequest,
     KVEvent,
     RequestError,
@@ -115,6 +117,22 @@ class Driver(abc.ABC):
     def recent_timings(self) -> list[RequestTiming]:
         """Timings of up to the last 4096 finished requests, oldest first."""
         return list(self._timings)
+
+    @abc.abstractmethod
+    def call(self, fn: Callable[[EngineCore], object]) -> concurrent.futures.Future[object]:
+        """Run `fn(engine)` on the driver's side between steps; its result or exception goes to the future."""
+
+    def hand_back(self, sink: Sink, max_requests: int) -> None:
+        """Hand back up to `max_requests` of `sink`'s queued requests that never started (`EngineCore.shed`):
+        each ends at `sink` with one `REQUEUE` delta, for its gateway to send elsewhere. From any thread."""
+        def shed(engine: EngineCore) -> None:
+            self._deliver(engine.shed(max_requests, lambda rid: self._sink_of(rid) is sink))
+
+        self.call(shed)
+
+    def _sink_of(self, request_id: str) -> Sink | None:
+        state = self._open.get(request_id)
+        return state.sink if state is not None else None
 
     @abc.abstractmethod
     def _call(self, fn: Callable[[], object]) -> None:
@@ -217,11 +235,13 @@ class Driver(abc.ABC):
             state = self._open.get(delta.request_id)
             if state is None:
                 continue
-            if state.first_token_s is None:
+            if delta.finish_reason == REQUEUE:  # handed back unstarted: neither a first token nor a timing
+                del self._open[delta.request_id]
+            elif state.first_token_s is None:
                 state.first_token_s = now
                 if self.metrics is not None:
                     self.metrics.record_first_token(now - state.arrival_s)
-            if delta.finished:
+            if delta.finished and delta.finish_reason != REQUEUE:
                 del self._open[delta.request_id]
                 self._timings.append(RequestTiming(
                     request_id=delta.request_id, arrival_s=state.arrival_s, first_token_s=state.first_token_s,

@@ -225,6 +225,10 @@ class OpenAIChannel:
     def release(self, request_id: str) -> None:
         """Nothing to release: no prefill is held for another worker."""
 
+    def hand_back(self, max_requests: int) -> None:
+        """A no-op: an OpenAI server cannot hand back a request it queued (its requests stay where they are
+        sent)."""
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
         """Stream `request` from the server (see the module's docstring); closing the iterator early aborts
         it there."""

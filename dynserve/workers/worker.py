@@ -17,6 +17,10 @@ With peer pulls (`Settings.kv_peer_pulls`) an aggregated worker has one too: it 
 reads the prefix blocks a peer exported. A read that fails costs a local prefill (the engine driver), never
 the request.
 
+Hand-back: a gateway whose pool a worker joined asks the busier members to hand back requests queued on its
+connection that never started (`HandBackRequest`); each ends with a `REQUEUE` delta and the gateway sends it
+to another worker (`driver.Driver.hand_back`).
+
 Draining (`drain`): the worker refuses new requests (retryable, so a gateway that has not yet seen it leave
 retries elsewhere), leaves the registry, lets its in-flight requests finish, then closes its channels after
 flushing them; its owner (the pool) then ends the actor.
@@ -48,6 +52,7 @@ from dynserve.protocol import (
     ClientFrame,
     DeltaBatch,
     GenerateRequest,
+    HandBackRequest,
     KVEvent,
     KVSnapshot,
     ReleaseRequest,
@@ -320,6 +325,9 @@ class EngineWorker:
                     self.abort(frame.request_id)
                 elif isinstance(frame, ReleaseRequest):
                     self._runner.release(frame.request_id)
+                elif isinstance(frame, HandBackRequest):
+                    if not self._draining:  # a draining worker finishes what it has
+                        self._runner.hand_back(sink, frame.max_requests)
                 elif isinstance(frame, SnapshotRequest):
                     asyncio.create_task(self._send_snapshot(sink))
                 else:
