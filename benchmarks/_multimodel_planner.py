@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import log, percentile
-from benchmarks._dynctl import dynctl_serve
+from benchmarks._dynctl import dynctl_serve, scrape_counters
 from benchmarks._multimodel_trace import Sizing, TurnsShape, TurnsTrace, generate, rates_by_model, size_fleets
 from benchmarks._streaming import StreamedCompletion, completion_body
 from benchmarks.planner import (
@@ -107,6 +107,7 @@ class FleetRun:
     replay_wall_s: float
     server_cpu_cores: float
     load_avg_1m_after: float | None = None  # the machine's, as the replay ended: other work shares the cores
+    requeues: float | None = None  # requests handed back unstarted to a joining worker (the gateway's count)
     samples: list[tuple[float, dict[str, dict[str, int]], dict[str, dict[str, int]]]] = field(default_factory=list)
     decisions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -125,10 +126,13 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
             results = asyncio.run(replay(server.port, workload, 1.0, max(60.0, workload.duration_s / 2)))
         wall_s = time.monotonic() - start_s
         cpu_cores = (server.cpu_s() - cpu_before_s) / wall_s
+        requeues = None
+        with contextlib.suppress(OSError, ValueError):
+            requeues = sum(scrape_counters(server.port, "dynserve_gateway_requeues_total").values())
         if any(r.error for r in results):
             log(f"{label}: {sum(bool(r.error) for r in results)} requests failed; the server's log ends:\n"
                 f"{server.log_tail()}")
-    run = FleetRun(results, ready_s, wall_s, cpu_cores, os.getloadavg()[0])
+    run = FleetRun(results, ready_s, wall_s, cpu_cores, os.getloadavg()[0], requeues)
     if isinstance(poller, ModelsPoller):
         run.samples, run.decisions = poller.model_samples, poller.model_decisions
     return run
@@ -155,6 +159,7 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
         "ttft_p95_ms_by_window": _p95_by_window(trace, run.results, window_s),
         "send_lag_p99_real_ms": percentile(lags, 99), "server_cpu_cores": run.server_cpu_cores,
         "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s, "load_avg_1m_after": run.load_avg_1m_after,
+        "num_missed": len(met) - sum(met), "requeues": run.requeues,
     }
 
 
@@ -331,7 +336,8 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
         log(f"{label}: attainment {summary['attainment']:.3f} (TTFT {summary['ttft_attainment']:.3f}, ITL "
             f"{summary['itl_attainment']:.3f}), {summary['worker_s']:.0f} worker-s, "
             f"{summary['server_cpu_cores']:.2f} cores, send lag p99 {summary['send_lag_p99_real_ms'] or 0:.0f} ms, "
-            f"load average {summary['load_avg_1m_after']:.1f}")
+            f"load average {summary['load_avg_1m_after']:.1f}, {summary['num_missed']} missed, "
+            f"{summary['requeues']} requeued")
     result = _half_result(plan, trace, sizing, summaries)
     result["png_planner"] = None
     if png is not None and "static" in summaries and "planner" in summaries:
