@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import msgspec
 import tokenizers
 from tokenizers import AddedToken, decoders, models
 
@@ -51,7 +52,9 @@ from dynserve.model.chat_template import (
 from dynserve.model.detokenizer import IncrementalDetokenizer
 from dynserve.model.gguf_metadata import read_gguf_metadata
 from dynserve.model.gguf_pretokenizers import gguf_pre_tokenizer
+from dynserve.model import tokenizer_cache
 from dynserve.model.gguf_spm import build_spm_vocabulary
+from dynserve.model.tokenizer_cache import TokenizerParts
 
 __all__ = ["IncrementalDetokenizer", "Tokenizer", "ids_in_vocab"]
 
@@ -109,7 +112,8 @@ class Tokenizer:
     """Encode, decode and chat-render for one model; immutable and safe to share between threads."""
 
     def __init__(self, raw: tokenizers.Tokenizer, special: _SpecialTokens, chat_template: str | None,
-                 decoding: _Decoding = _Decoding()) -> None:
+                 decoding: _Decoding = _Decoding(), byte_level: tuple[bytes, ...] | None = None) -> None:
+        """`byte_level`: the byte-level table of `raw` (`byte_level_token_bytes`) when already known."""
         self._raw = raw
         self.vocab_size: int = raw.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = special.bos_token_id
@@ -118,7 +122,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self._decodes_by_table = decoding.token_bytes is not None
         self._strip_leading_space = decoding.strip_leading_space
-        self._token_bytes = decoding.token_bytes or byte_level_token_bytes(raw, self.vocab_size)
+        self._token_bytes = decoding.token_bytes or byte_level or byte_level_token_bytes(raw, self.vocab_size)
         if len(self._token_bytes) != self.vocab_size:
             raise TokenizerError(f"{len(self._token_bytes)} token byte strings for {self.vocab_size} tokens")
         self._token_texts = _whole_texts(self._token_bytes)
@@ -166,8 +170,18 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """From a byte-level BPE GGUF (`tokenizer.ggml.model` "gpt2") whose `tokenizer.ggml.pre` names a
         pre-tokenizer of `gguf_pretokenizers`, or a SentencePiece one ("llama"); anything else is refused
-        by name (TokenizerError)."""
-        metadata = read_gguf_metadata(path)
+        by name (TokenizerError). What it reads and derives is cached per file (`tokenizer_cache`)."""
+        cached = tokenizer_cache.load(path)
+        parts = cached or _gguf_parts(path)
+        tokenizer = cls._from_gguf_parts(parts, str(path))  # a tokenizer refused here is not cached
+        if cached is None:
+            table = None if tokenizer._decodes_by_table else list(tokenizer._token_bytes)
+            tokenizer_cache.store(path, msgspec.structs.replace(parts, token_bytes=table))
+        return tokenizer
+
+    @classmethod
+    def _from_gguf_parts(cls, parts: TokenizerParts, path: str) -> Tokenizer:
+        metadata = parts.metadata
         model = metadata.get("tokenizer.ggml.model")
         if model not in ("gpt2", "llama") or "tokenizer.ggml.tokens" not in metadata:
             raise TokenizerError(f"{path}: tokenizer model {model!r} (tokenizer.ggml.model) is not supported; "
@@ -177,7 +191,7 @@ class Tokenizer:
         if chat_template is None:
             chat_template = default_chat_template(metadata.get("general.architecture"))
         if model == "llama":
-            spm = build_spm_vocabulary(metadata, str(path))
+            spm = build_spm_vocabulary(metadata, path)
             special = _SpecialTokens(
                 bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
                 eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
@@ -186,11 +200,10 @@ class Tokenizer:
                 rstrip_token_ids=spm.rstrip_token_ids,
             )
             return cls(spm.raw, special, chat_template, _Decoding(spm.token_bytes, spm.add_space_prefix))
-        pre = gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre"), str(path))
+        pre = gguf_pre_tokenizer(metadata.get("tokenizer.ggml.pre"), path)
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-        merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
         vocab = {token: i for i, token in enumerate(tokens)}
-        raw = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=pre.ignore_merges))
+        raw = tokenizers.Tokenizer(models.BPE(vocab, parts.merges, ignore_merges=pre.ignore_merges))
         raw.pre_tokenizer = pre.build()
         raw.decoder = decoders.ByteLevel()
         token_types = metadata.get("tokenizer.ggml.token_type", [])
@@ -202,7 +215,8 @@ class Tokenizer:
             add_bos_token=bool(metadata.get("tokenizer.ggml.add_bos_token", pre.add_bos_default)),
             end_token_ids=end_token_ids,
         )
-        return cls(raw, special, chat_template)
+        byte_level = tuple(parts.token_bytes) if parts.token_bytes is not None else None
+        return cls(raw, special, chat_template, byte_level=byte_level)
 
     @classmethod
     def from_pretrained_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -374,6 +388,14 @@ def _added_tokens(
         for token_id, token_type in enumerate(token_types)
         if token_type == wanted_type
     ]
+
+
+def _gguf_parts(path: str | os.PathLike[str]) -> TokenizerParts:
+    """What a GGUF tokenizer is built from, read from the file's header: the `tokenizer.*` and `general.*`
+    keys, the merges split in pairs."""
+    metadata = {k: v for k, v in read_gguf_metadata(path).items() if k.startswith(("tokenizer.", "general."))}
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata.pop("tokenizer.ggml.merges", [])]
+    return TokenizerParts(metadata=metadata, merges=merges)  # type: ignore[arg-type]
 
 
 def _read_json_if_present(path: Path) -> dict[str, Any]:
