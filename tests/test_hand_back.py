@@ -154,3 +154,53 @@ def test_a_worker_hands_back_over_its_channel_what_its_connection_queued() -> No
     assert [rid for rid, deltas in answers.items() if deltas[-1].finish_reason == REQUEUE] == ["r2", "r3"]
     assert all(answers[rid][-1].finish_reason == "length" and len(tokens) == 4 for rid in ("r0", "r1")
                for tokens in [[t for d in answers[rid] for t in d.token_ids]])
+
+
+def test_a_gateway_moves_what_queued_on_a_busy_worker_to_one_that_joins() -> None:
+    """End to end in one process: two mocker workers behind a dispatcher whose directory follows a registry;
+    the second registers while the first has a queue, and takes what the first hands back, with the tokens the
+    first would have given (greedy)."""
+    from dynserve.events.memory import MemoryEventPlane
+    from dynserve.gateway.backend import BackendObserver
+    from dynserve.gateway.directory import WorkerDirectory
+    from dynserve.gateway.dispatcher import Dispatcher
+    from dynserve.workers.worker import EngineWorker
+
+    class Requeues(BackendObserver):
+        count = 0
+
+        def on_requeue(self) -> None:
+            self.count += 1
+
+    settings = Settings(mocker="cpu", kv_blocks=256, max_num_seqs=1, worker_metrics=False)
+    workers = [EngineWorker(settings, "a"), EngineWorker(settings, "b")]
+    expected = [r.token_ids for r in engine_of(workers[0].engine.tokenizer).generate([prompt(i) for i in range(4)],
+                                                                                     PARAMS)]
+    requeues = Requeues()
+
+    async def go() -> tuple[list[list[int]], Dispatcher]:
+        plane = MemoryEventPlane()
+        a, b = [await worker.start() for worker in workers]
+        await plane.register(a, ttl_s=60)
+        backend = Dispatcher(WorkerDirectory([], registry=plane, registry_interval_s=3600))
+        backend.add_observer(requeues)
+        await backend.start()
+        try:
+            async def tokens(i: int) -> list[int]:
+                request = GenerateRequest(request_id=f"r{i}", token_ids=prompt(i), params=PARAMS)
+                return [t async for d in backend.generate(request) for t in d.token_ids]
+
+            tasks = [asyncio.create_task(tokens(i)) for i in range(4)]
+            while workers[0].load().num_waiting < 3:
+                await asyncio.sleep(0.001)
+            await plane.register(b, ttl_s=60)
+            await backend.directory.refresh_members()
+            return [await asyncio.wait_for(task, 10) for task in tasks], backend
+        finally:
+            await backend.stop()
+            for worker in workers:
+                await worker.stop()
+
+    answers, backend = asyncio.run(go())
+    assert answers == expected and requeues.count == 2  # 4 pending against 0: 2 handed back, the head kept
+    assert backend.num_routed == {"a": 4, "b": 2}
