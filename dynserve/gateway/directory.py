@@ -203,12 +203,13 @@ class WorkerDirectory:
         self._missing_since = {w: t for w, t in self._missing_since.items()
                                if w in self.channels and w not in listed_ids}
         joined = [self._join(info) for info in added]
-        if not joined:
-            return
-        if not self.hand_back_on_join:
+        if not self.hand_back_on_join or not joined:
             await asyncio.gather(*(self._poll(c) for c in joined))
             return
-        await self.poll_once()  # every member's load now, not up to a poll old
+        # the joiners connect, and every open member's load is read now, not up to a poll old (a member that
+        # is down is left to the poller: its reconnection may take seconds)
+        others = [c for c in self.channels.values() if c.is_open and c not in joined]
+        await asyncio.gather(*(self._poll(c) for c in [*joined, *others]))
         self._hand_back_to({c.worker_id for c in joined if c.is_open})
 
     def _hand_back_to(self, joined: set[str]) -> None:
