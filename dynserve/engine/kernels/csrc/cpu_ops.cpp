@@ -38,16 +38,20 @@ void check_bf16_rows(const torch::Tensor& t, const char* name) {
 // broadcast pair of x. A tile of MT input rows by NB panels keeps MT x NB accumulators in registers for the
 // whole of K, so nothing is reduced across lanes and each weight line is loaded once per tile. Panels are
 // shared out among threads; with few input rows each thread streams its panels once (prefetching ahead),
-// with many it runs every tile of input rows over one group of panels while that group sits in L2.
+// with many it runs every tile of input rows over one group of panels while that group sits in L2, and the
+// row tiles share out the fetching of the thread's next group into L2, so that its stream from memory
+// overlaps this group's arithmetic instead of stalling the next group's first tile.
 
 #if defined(__x86_64__)
 constexpr int kPanelsPerTile = 4;
 constexpr int kMaxTileRows = 6;  // 6 x 4 accumulators + 4 weight registers + a broadcast fit the 32 registers
 
+// `next`, when given: a group of panels to fetch into L2 meanwhile, its panels in `next_panels` (a bit each).
 template <int MT, int NB, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void tile(
     const at::BFloat16* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ wp, int64_t K2,
-    Out* __restrict__ y, int64_t N, int64_t num_cols, bool prefetch) {
+    Out* __restrict__ y, int64_t N, int64_t num_cols, bool prefetch, const at::BFloat16* next,
+    unsigned next_panels) {
   __m512 acc[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
@@ -60,6 +64,9 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void tile
       w[b] = (__m512bh)_mm512_loadu_si512(line);
       if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(line + 32 * 16), _MM_HINT_T0);
     }
+    if (next != nullptr)
+      for (int b = 0; b < kPanelsPerTile; ++b)
+        if (next_panels >> b & 1u) _mm_prefetch(reinterpret_cast<const char*>(next + (b * K2 + kk) * 32), _MM_HINT_T1);
     for (int m = 0; m < MT; ++m) {
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(pairs[m * row_pairs + kk]);
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], w[b], xb);
@@ -78,11 +85,11 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void tile
   }
 }
 
-// Rows [m0, m0 + MT) of y over panels [p0, p1).
+// Rows [m0, m0 + MT) of y over panels [p0, p1); `next` and `next_panels` as `tile`'s (one group of panels).
 template <int MT, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void tile_rows(
     const at::BFloat16* x, int64_t K, const at::BFloat16* wp, int64_t K2, Out* y, int64_t N, int64_t p0,
-    int64_t p1, int64_t m0, bool prefetch) {
+    int64_t p1, int64_t m0, bool prefetch, const at::BFloat16* next = nullptr, unsigned next_panels = 0) {
   for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
     const int64_t nb = std::min<int64_t>(kPanelsPerTile, p1 - p);
     const int64_t num_cols = std::min<int64_t>(nb * 16, N - p * 16);
@@ -90,10 +97,10 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void tile_rows(
     const at::BFloat16* xm = x + m0 * K;
     Out* ym = y + m0 * N + p * 16;
     switch (nb) {
-      case 4: tile<MT, 4, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
-      case 3: tile<MT, 3, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
-      case 2: tile<MT, 2, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
-      default: tile<MT, 1, Out>(xm, K, w, K2, ym, N, num_cols, prefetch); break;
+      case 4: tile<MT, 4, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
+      case 3: tile<MT, 3, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
+      case 2: tile<MT, 2, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
+      default: tile<MT, 1, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
     }
   }
 }
@@ -107,16 +114,24 @@ void linear_panels(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat
     const int64_t step = M <= kMaxTileRows ? g1 - g0 : 1;
     for (int64_t g = g0; g < g1; g += step) {
       const int64_t p0 = g * kPanelsPerTile, p1 = std::min(num_panels, std::min(g1, g + step) * kPanelsPerTile);
-      for (int64_t m0 = 0; m0 < M;) {
+      // with many rows, the thread's next group is fetched into L2 by this group's row tiles, tile t taking
+      // panels t, t + T, ... of it (T row tiles)
+      const int64_t next_p0 = p1, next_count = step == 1 && g + 1 < g1
+                                                   ? std::min<int64_t>(kPanelsPerTile, num_panels - next_p0) : 0;
+      const int64_t num_tiles = (M + kMaxTileRows - 1) / kMaxTileRows;
+      const at::BFloat16* next = next_count > 0 ? wp + next_p0 * K2 * 32 : nullptr;
+      for (int64_t m0 = 0, t = 0; m0 < M; ++t) {
         const int64_t mt = std::min<int64_t>(kMaxTileRows, M - m0);
         const bool prefetch = m0 == 0;  // later row tiles find the weights in cache
+        unsigned panels = 0;
+        for (int64_t b = t; b < next_count; b += num_tiles) panels |= 1u << b;
         switch (mt) {
-          case 6: tile_rows<6, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
-          case 5: tile_rows<5, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
-          case 4: tile_rows<4, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
-          case 3: tile_rows<3, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
-          case 2: tile_rows<2, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
-          default: tile_rows<1, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch); break;
+          case 6: tile_rows<6, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 5: tile_rows<5, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 4: tile_rows<4, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 3: tile_rows<3, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 2: tile_rows<2, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          default: tile_rows<1, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
         }
         m0 += mt;
       }
