@@ -39,7 +39,7 @@ from dynserve.protocol import SamplingParams
 
 PROMPT_TOKENS = 256
 NUM_SPECIAL_IDS = 17  # prompts avoid SmolLM2's special tokens
-_OP_GROUPS = {"linear": "linear", "logits": "logits", "rms_norm": "norms", "add_rms_norm": "norms",
+OP_GROUPS = {"linear": "linear", "logits": "logits", "rms_norm": "norms", "add_rms_norm": "norms",
               "rope_qkv": "rope", "rope_tables": "rope", "silu_mul": "silu_mul"}
 
 
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-class _Timer:
+class OpTimer:
     """Seconds spent in wrapped callables, by group, while `on`; a wrapped call inside another (an op built
     from other ops) counts only in the outer one."""
 
@@ -82,8 +82,8 @@ def measure(native: bool, batch_size: int, num_steps: int, seed: int = 0) -> dic
     settings = Settings(dtype="bfloat16", enable_prefix_caching=False)
     engine = LLMEngine(settings, loaded=load_model(settings))
     ops = engine.model.step_ops()
-    timer = _Timer()
-    for name, group in _OP_GROUPS.items():
+    timer = OpTimer()
+    for name, group in OP_GROUPS.items():
         setattr(ops, name, timer.wrap(getattr(ops, name), group))
     attention_forward = torch_attention.forward
     torch_attention.forward = timer.wrap(attention_forward, "attention")
