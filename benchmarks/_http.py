@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import json
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
-__all__ = ["HttpError", "RawConnection", "http_get", "read_chunked_body"]
+__all__ = ["HttpError", "RawConnection", "http_get", "read_chunked_body", "stream_chat"]
 
 
 def http_get(address: str, path: str, timeout_s: float = 10.0) -> str:
@@ -112,3 +114,33 @@ class RawConnection:
                 await reader.readexactly(2)
         else:
             yield await reader.readexactly(int(headers.get(b"content-length", b"0")))
+
+
+async def stream_chat(port: int, model: str, messages: list[dict[str, str]],
+                      max_tokens: int) -> tuple[str, float, dict[str, Any]]:
+    """One greedy streamed chat completion to 127.0.0.1:`port`, on a connection of its own: (the answer, TTFT in
+    s, the usage). RuntimeError on an error event or a stream without an answer or usage."""
+    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    conn = await RawConnection("127.0.0.1", port).open()
+    try:
+        sent_s, events = await conn.post_events(conn.request_bytes("/v1/chat/completions", body))
+        first_s, usage, parts = None, None, []
+        async for data in events:
+            if data == b"[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise RuntimeError(f"error event: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            for choice in chunk.get("choices") or ():
+                content = (choice.get("delta") or {}).get("content")
+                if content:
+                    parts.append(content)
+                if first_s is None and (content or choice.get("finish_reason")):  # an empty answer: its end
+                    first_s = time.monotonic()
+    finally:
+        await conn.close()
+    if first_s is None or usage is None:
+        raise RuntimeError("no answer or no usage in the stream")
+    return "".join(parts), first_s - sent_s, usage

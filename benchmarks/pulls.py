@@ -40,8 +40,7 @@ from typing import Any
 
 from benchmarks._common import git_commit, log, machine_info, percentile, write_result
 from benchmarks._dynctl import dynctl_serve, scrape_counters, scrape_worker_samples
-from benchmarks._http import http_get
-from benchmarks.tiers import _chat as chat_turn
+from benchmarks._http import http_get, stream_chat
 
 FLEETS = ("no_pulls", "pulls")
 _WORDS = ("river", "stone", "garden", "lantern", "harbor", "meadow", "copper", "violet", "signal", "orchard",
@@ -87,7 +86,7 @@ async def _burst(port: int, model: str, system: str, questions: list[str], max_t
     """Every question about `system` at once."""
     async def one(q: int) -> Result:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": questions[q]}]
-        answer, ttft_s, usage = await chat_turn(port, model, messages, max_tokens)
+        answer, ttft_s, usage = await stream_chat(port, model, messages, max_tokens)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         return Result(document, q, ttft_s, usage["prompt_tokens"], cached, answer)
 
@@ -97,7 +96,7 @@ async def _burst(port: int, model: str, system: str, questions: list[str], max_t
 async def _play(port: int, model: str, plan: Plan, documents: list[tuple[str, list[str]]], name: str) -> list[Result]:
     results: list[Result] = []
     for index, (system, questions) in enumerate(documents):
-        await chat_turn(port, model, [{"role": "system", "content": system},
+        await stream_chat(port, model, [{"role": "system", "content": system},
                                       {"role": "user", "content": "Read the report."}], 1)
         await asyncio.sleep(0.5)  # the holder's KV events reach the router
         burst = await _burst(port, model, system, questions, plan.max_tokens, index)
@@ -136,7 +135,7 @@ def run_fleet(name: str, flags: list[str], plan: Plan, documents: list[tuple[str
     with dynctl_serve(f"pulls-{name}", flags, log_dir=log_dir) as server:
         model = json.loads(http_get(f"127.0.0.1:{server.port}", "/v1/models"))["data"][0]["id"]
         for i in range(2):  # warm both workers up on prompts the script never uses
-            asyncio.run(chat_turn(server.port, model, [{"role": "user", "content": f"Warm-up {i}: "
+            asyncio.run(stream_chat(server.port, model, [{"role": "user", "content": f"Warm-up {i}: "
                                                         + " ".join(["warm"] * 200)}], 4))
         results = asyncio.run(_play(server.port, model, plan, documents, name))
         pulls = scrape_counters(server.port, "dynserve_kv_pulls")

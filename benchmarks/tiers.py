@@ -68,7 +68,7 @@ from typing import Any
 
 from benchmarks._common import RESULTS_DIR, git_commit, log, machine_info, write_result
 from benchmarks._dynctl import DynctlServer, dynctl_serve, scrape_counters, scrape_worker_samples
-from benchmarks._http import RawConnection, http_get
+from benchmarks._http import http_get, stream_chat
 from benchmarks._tiers_report import TurnResult, compare_outputs, headline, plot, summarize_policy
 from benchmarks._tiers_workload import (
     CONTROLS,
@@ -98,43 +98,11 @@ _TIER_PREFIXES = ("dynserve_worker_kv_tier_", "dynserve_worker_kv_onboard_", "dy
                   "dynserve_worker_kv_pull_")
 
 
-# ---- one chat turn ----------------------------------------------------------------------------------------
-
-
-async def _chat(port: int, model: str, messages: list[dict[str, str]],
-                max_tokens: int) -> tuple[str, float, dict[str, Any]]:
-    """One greedy streamed chat completion: (the answer, TTFT in s, the usage)."""
-    body = json.dumps({"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
-    conn = await RawConnection("127.0.0.1", port).open()
-    try:
-        sent_s, events = await conn.post_events(conn.request_bytes("/v1/chat/completions", body))
-        first_s, usage, parts = None, None, []
-        async for data in events:
-            if data == b"[DONE]":
-                continue
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise RuntimeError(f"error event: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or ():
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    parts.append(content)
-                if first_s is None and (content or choice.get("finish_reason")):  # an empty answer: its end
-                    first_s = time.monotonic()
-    finally:
-        await conn.close()
-    if first_s is None or usage is None:
-        raise RuntimeError("no answer or no usage in the stream")
-    return "".join(parts), first_s - sent_s, usage
-
-
 async def _warm_up(port: int, model: str) -> None:
     """Short chats whose prompts the workload never uses (the router spreads them over both workers)."""
     for i in range(NUM_WARM_UP):
         words = " ".join(["warm"] * 200)
-        await _chat(port, model, [{"role": "user", "content": f"Warm-up {i}: {words}"}], 4)
+        await stream_chat(port, model, [{"role": "user", "content": f"Warm-up {i}: {words}"}], 4)
 
 
 async def _play(port: int, model: str, plan: Plan, conversations: tuple[Conversation, ...],
@@ -145,7 +113,7 @@ async def _play(port: int, model: str, plan: Plan, conversations: tuple[Conversa
     for conversation, turn in turn_order(plan.num_conversations, plan.num_turns):
         messages = histories[conversation]
         messages.append({"role": "user", "content": conversations[conversation].questions[turn]})
-        answer, ttft_s, usage = await _chat(port, model, messages, plan.max_tokens)
+        answer, ttft_s, usage = await stream_chat(port, model, messages, plan.max_tokens)
         messages.append({"role": "assistant", "content": answer})
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         results.append(TurnResult(conversation, turn, ttft_s, usage["prompt_tokens"], cached, answer))
