@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from dynserve.engine.block_manager import BlockManager
 from dynserve.engine.sequence import Sequence, SequenceStatus
 from dynserve.errors import CacheCapacityError
+from dynserve.protocol import REQUEUE
 
 __all__ = ["ScheduledBatch", "Scheduler"]
 
@@ -91,7 +92,7 @@ class Scheduler:
 
     def shed(self, max_seqs: int, allowed: Callable[[Sequence], bool]) -> list[Sequence]:
         """Take up to `max_seqs` waiting sequences out of the queue, newest first, and return them finished
-        (reason "requeue"): only ones that never started (nothing computed, no block held, no token produced,
+        (reason `REQUEUE`): only ones that never started (nothing computed, no block held, no token produced,
         never preempted) and that `allowed` lets go, never the queue's head (it runs next). They hold
         nothing, so nothing is freed."""
         shed: list[Sequence] = []
@@ -104,7 +105,7 @@ class Scheduler:
         for seq in shed:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "requeue"
+            seq.finish_reason = REQUEUE
         return shed
 
     def check_fits(self, seq: Sequence) -> None:
