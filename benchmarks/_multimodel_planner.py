@@ -8,8 +8,9 @@ scraping every second and `--disagg-max-prefill-queue 100000`, as `benchmarks/pl
 - **static**: every model with the workers its own busiest window needs (`Sizing.static_fleet`);
 - **planner**: every model from 1 prefill + 1 decode worker, `--planner --planner-mode sla` with the mocker
   profile's shipped capacity profile, each model's pools bounded by [1, the static fleet's], all models
-  within `--planner-max-total-workers` (`Sizing.budget`); it is polled (`GET /planner`, each model's
-  `targets` and `serving` under `models`) every 0.5 s.
+  within `--planner-max-total-workers` (`Sizing.budget`: the floors of every model and the static fleet's
+  pools for the models busy at once, `models_busy_at_once` of the plan's phase and down delay); it is
+  polled (`GET /planner`, each model's `targets` and `serving` under `models`) every 0.5 s.
 
 Each request's body is a streamed completion of its own prompt (plain-word token ids, no two alike) of
 exactly its output length, to its model; both fleets get the same bodies at the same times. A request meets
@@ -32,7 +33,15 @@ from typing import Any
 
 from benchmarks._common import log, percentile
 from benchmarks._dynctl import dynctl_serve, scrape_counters
-from benchmarks._multimodel_trace import Sizing, TurnsShape, TurnsTrace, generate, rates_by_model, size_fleets
+from benchmarks._multimodel_trace import (
+    Sizing,
+    TurnsShape,
+    TurnsTrace,
+    generate,
+    models_busy_at_once,
+    rates_by_model,
+    size_fleets,
+)
 from benchmarks._streaming import StreamedCompletion, completion_body
 from benchmarks.planner import (
     POLL_PERIOD_S,
@@ -203,7 +212,7 @@ def summarize_planner(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wi
     summary["replicas"] = [[round(t_s, 2), targets, serving] for t_s, targets, serving in run.samples]
     summary["decisions"] = {
         name: [{k: d.get(k) for k in ("t_s", "targets", "reasons", "needs", "corrections", "predicted_rate_per_s",
-                                      "predicted_isl", "predicted_osl", "horizon_s")}
+                                      "predicted_isl", "predicted_osl", "horizon_s", "rising")}
                for d in decisions] for name, decisions in run.decisions.items()}
     return summary
 
@@ -319,7 +328,8 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
     names = [link.name.split(".")[0] for link in links]
     trace = generate(plan.shape, seed)
     sizing = size_fleets(profile.shipped(PROFILE), trace, plan.sizing_window_s, ttft_target_s=SIZING.ttft_ms / 1000,
-                         itl_target_s=SIZING.itl_ms / 1000)
+                         itl_target_s=SIZING.itl_ms / 1000,
+                         busy_at_once=models_busy_at_once(plan.shape, plan.down_delay_s))
     log(f"planner half: {len(trace.requests)} requests for {len(names)} models in {trace.duration_s:g} s; "
         f"static fleet {sizing.static_fleet} a model ({sizing.static_workers} workers), planner budget "
         f"{sizing.budget}, the load's need {min(sizing.oracle_workers)}-{max(sizing.oracle_workers)}")

@@ -17,9 +17,14 @@ answer lengths lognormal (`planner_trace.LengthDistribution`), drawn independent
 its arrivals in it; `planner.fleet_for_rate` turns a rate into workers per pool at the sizing targets, at the
 trace's mean ISL and OSL. The static fleet gives every model the workers its own busiest window needs (the
 largest over the models: `dynctl serve` gives every model the same pools, and the models' shapes are the
-same but for the Poisson draws); the planner's shared budget is the most that all models' windows need at
-once, plus `budget_margin`; `oracle_workers` is, per window, what each model's window needs summed over
-the models (a planner that knew the load and started workers in no time).
+same but for the Poisson draws); `oracle_workers` is, per window, what each model's window needs summed over
+the models (a planner that knew the load and started workers in no time). The planner's shared budget is
+what its own floors and down delay hold while models overlap: `busy_at_once` models with the static fleet's
+pools and every other model at its floor (one worker a pool), plus `budget_margin`; never less than the
+oracle's busiest window plus the margin, never more than the static fleet. `models_busy_at_once`: a model
+holds workers over its floor from its rise to a down delay after its fall, `2 * phase_s + down_delay_s`,
+and a new model rises every `phase_s`, so that many phases' models hold workers at once (3 in the full
+plan: the rising one, the one falling from its peak, and the one before it inside its down delay).
 
 Invariants: timestamps are non-decreasing and within [0, duration_s); every model index is in
 [0, num_models); the same shape and seed always give the same trace.
@@ -36,8 +41,8 @@ from typing import Any
 from benchmarks.planner import fleet_for_rate
 from benchmarks.planner_trace import LengthDistribution, TraceRequest, windowed_rates_per_s
 
-__all__ = ["Sizing", "TurnsShape", "TurnsTrace", "generate", "model_rate_per_s", "rates_by_model",
-           "size_fleets", "total_by_time"]
+__all__ = ["Sizing", "TurnsShape", "TurnsTrace", "generate", "model_rate_per_s", "models_busy_at_once",
+           "rates_by_model", "size_fleets", "total_by_time"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +106,12 @@ def generate(shape: TurnsShape, seed: int) -> TurnsTrace:
     return TurnsTrace(requests, tuple(m for _, m in arrivals), shape.duration_s, shape.num_models)
 
 
+def models_busy_at_once(shape: TurnsShape, down_delay_s: float) -> int:
+    """How many models hold workers over their floors at once (the module docstring): each does for its
+    bump (`2 * phase_s`) and a down delay after it, and the next model's bump starts `phase_s` later."""
+    return min(shape.num_models, math.ceil((2 * shape.phase_s + down_delay_s) / shape.phase_s - 1e-9))
+
+
 def rates_by_model(trace: TurnsTrace, window_s: float) -> list[list[float]]:
     """Per model, its arrivals per second in consecutive windows of `window_s` (`windowed_rates_per_s`)."""
     return [windowed_rates_per_s([r.timestamp_s for r in trace.of_model(m)], window_s, trace.duration_s)
@@ -131,9 +142,10 @@ class Sizing:
 
 
 def size_fleets(profile: Any, trace: TurnsTrace, window_s: float, *, ttft_target_s: float, itl_target_s: float,
-                budget_margin: int = 2) -> Sizing:
+                busy_at_once: int = 1, budget_margin: int = 2) -> Sizing:
     """The static fleet, the planner's budget and the oracle's workers for `trace` (see the module
-    docstring); `profile` is a `CapacityProfile` (of the mockers' speed)."""
+    docstring); `profile` is a `CapacityProfile` (of the mockers' speed); `busy_at_once`: the models that hold
+    more than their floors at once (`models_busy_at_once`)."""
     mean_isl = sum(r.input_length for r in trace.requests) / len(trace.requests)
     mean_osl = sum(r.output_length for r in trace.requests) / len(trace.requests)
 
@@ -148,7 +160,11 @@ def size_fleets(profile: Any, trace: TurnsTrace, window_s: float, *, ttft_target
     by_model = [fleet(peak) for peak in peaks]
     static = {pool: max(f[pool] for f in by_model) for pool in by_model[0]}
     oracle = [sum(sum(fleet(model_rates[k]).values()) for model_rates in rates) for k in range(len(rates[0]))]
-    return Sizing(static, max(oracle[:num_whole]) + budget_margin, peaks, oracle, mean_isl, mean_osl)
+    busy = min(busy_at_once, trace.num_models)
+    overlap = busy * sum(static.values()) + (trace.num_models - busy) * len(static)  # the others at 1 a pool
+    static_workers = trace.num_models * sum(static.values())
+    budget = min(static_workers, max(overlap, max(oracle[:num_whole])) + budget_margin)
+    return Sizing(static, budget, peaks, oracle, mean_isl, mean_osl)
 
 
 def total_by_time(samples: Sequence[tuple[float, Mapping[str, Mapping[str, int]]]]) -> list[tuple[float, int]]:

@@ -56,8 +56,13 @@ stay near 1,200 a second.
    Poisson noise: on 4 s windows seed 0's busiest model reads 12 req/s and every model would get 4 + 2.)
 2. **planner**: every model from 1 prefill + 1 decode worker, `--planner --planner-mode sla` with the mocker
    profile's shipped capacity profile and the same targets, each model's pools bounded by [1, the static
-   fleet's], all models within `--planner-max-total-workers`: the most that all models' 10 s windows need
-   at once, plus 2 (25 at seed 0). The planner decides every second on a 3 s read window: at 2 s and 4 s
+   fleet's], all models within `--planner-max-total-workers`: what the planner's own floors and down delay
+   hold while models overlap, plus 2 (31 at seed 0: three models busy at once, the rising one, the one
+   falling from its peak and the one before it inside its 10 s down delay, each with the static fleet's 5
+   workers, and the other seven at their floors of 1 + 1; until 2026-11-28 the most that all models' 10 s
+   windows need at once plus 2, 25, which the floors and the down delay alone filled: the budget was full a
+   quarter of the run and cut rising models' scale-ups). The planner decides every second on a 3 s read
+   window: at 2 s and 4 s
    (`benchmarks.planner`'s clock) it added a rising model's second prefill worker about 5 s after one
    worker stopped keeping up, and 4-7% of the requests missed the SLO where the static fleet's met it; a
    2 s window, with Prometheus scraping every second, read a busy model at under half its rate in 14% of

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks._multimodel_planner import (
+    FULL_TURNS,
     QUICK_TURNS,
     FleetRun,
     ModelsPoller,
@@ -28,6 +29,7 @@ from benchmarks._multimodel_trace import (
     TurnsTrace,
     generate,
     model_rate_per_s,
+    models_busy_at_once,
     rates_by_model,
     size_fleets,
 )
@@ -127,6 +129,26 @@ def test_the_benchmarks_static_fleet_is_more_than_twice_what_the_load_needs_on_a
     mean_need = sum(sizing.oracle_workers) / len(sizing.oracle_workers)
     assert mean_need < 0.7 * sizing.static_workers
     assert max(sizing.oracle_workers) < sizing.budget <= sizing.static_workers
+
+
+def test_the_planners_budget_holds_the_floors_and_the_models_busy_at_once() -> None:
+    """A model holds workers over its floors from its rise to a down delay after its fall: with 30 s phases
+    and a 10 s down delay three models do at once (the rising one, the one falling from its peak, the one before
+    it in its down delay), so the full plan's budget is three static models, seven at their floors, plus 2:
+    more than the oracle's busiest window (which no planner with floors and a down delay can keep to), less
+    than the static fleet."""
+    assert models_busy_at_once(FULL_TURNS.shape, FULL_TURNS.down_delay_s) == 3
+    assert models_busy_at_once(FULL_TURNS.shape, 0.0) == 2  # no down delay: the rising and the falling one
+    assert models_busy_at_once(_shape(num_models=2), 30.0) == 2  # never more than the models
+    trace = generate(FULL_TURNS.shape, 0)
+    sizing = size_fleets(PROFILE, trace, FULL_TURNS.sizing_window_s, **TARGETS,
+                         busy_at_once=models_busy_at_once(FULL_TURNS.shape, FULL_TURNS.down_delay_s))
+    assert sizing.static_fleet == {"prefill": 3, "decode": 2}
+    assert sizing.budget == 3 * 5 + 7 * 2 + 2 == 31
+    assert max(sizing.oracle_workers) + 2 < sizing.budget < sizing.static_workers
+    # two models busy at once on the hand-made trace: their static pools and the margin exceed the static
+    # fleet, which caps it
+    assert size_fleets(PROFILE, _handmade_trace(), 4.0, **TARGETS, busy_at_once=2).budget == 10
 
 
 def test_each_fleet_gets_its_models_and_the_planner_its_bounds_and_budget(tmp_path: Path) -> None:

@@ -282,8 +282,9 @@ def test_a_slow_start_sizes_a_rise_sooner() -> None:
     ramp = [0.5 + 0.5 * step for step in range(40)]  # req/s, one a second
 
     def first_growth(start_s: float) -> float:
-        core = PlannerCore(_config(predictor="holt", interval_s=1.0, start_s=start_s, read_window_s=2.0),
-                           ("prefill", "decode"), _profile())
+        # without the rise's spare worker (a test of its own): the horizon alone
+        core = PlannerCore(_config(predictor="holt", interval_s=1.0, start_s=start_s, read_window_s=2.0,
+                                   rise_spare_workers=0), ("prefill", "decode"), _profile())
         for step, rate in enumerate(ramp):
             targets = core.targets or {"prefill": 1, "decode": 1}
             pools = {p: PoolObservation(targets[p], num_running=rate) for p in core.pools}
@@ -313,3 +314,55 @@ def test_the_down_delay_is_time_whatever_the_interval() -> None:
                 shrunk_at = now_s - 3 * interval_s
         # the first low decision counts its interval: the shrink comes 6 s of low load after it began
         assert shrunk_at == pytest.approx(6.0 - interval_s), interval_s
+
+
+def _decide_all(config: PlannerConfig, rates: list[float]) -> list[Decision]:
+    """One decision a second over `rates`; no latencies observed, so no correction: the needs depend on the
+    rates alone, whatever the targets."""
+    core = PlannerCore(config, ("prefill", "decode"), _profile())
+    decisions = []
+    for step, rate in enumerate(rates):
+        targets = core.targets or {"prefill": 1, "decode": 1}
+        pools = {p: PoolObservation(targets[p], num_running=rate) for p in core.pools}
+        decisions.append(core.decide(Observation(float(step), pools, rate, ISL, OSL)))
+    return decisions
+
+
+def test_a_rise_gets_a_spare_prefill_worker_and_a_flat_load_gives_it_back() -> None:
+    """While the rate rises a prefill pool holds one worker over its need (its next worker serves only after a
+    start, and a rise's next step may come first); decode pools get none; once the load is flat the spare
+    goes after the down delay."""
+    rates = [0.5 * step for step in range(1, 25)] + [12.0] * 30  # a ramp to 12 req/s, then flat
+    config = dict(predictor="holt", interval_s=1.0, start_s=3.0, read_window_s=2.0, down_delay_s=5.0)
+    spare = _decide_all(_config(**config), rates)
+    plain = _decide_all(_config(**config, rise_spare_workers=0), rates)
+    assert [d.targets["decode"] for d in spare] == [d.targets["decode"] for d in plain]
+    assert all(s.targets["prefill"] >= p.targets["prefill"] for s, p in zip(spare, plain, strict=True))
+    on_the_rise = [(s, p) for s, p in zip(spare[:24], plain[:24], strict=True)
+                   if s.rising and s.needs["prefill"] >= 0.8 and math.ceil(s.needs["prefill"]) < 10]
+    assert len(on_the_rise) >= 10
+    assert all(s.targets["prefill"] > p.targets["prefill"] for s, p in on_the_rise)
+
+    def second_worker_at(decisions: list[Decision]) -> float:
+        return next(rate for rate, d in zip(rates, decisions, strict=True) if d.targets["prefill"] >= 2)
+
+    assert second_worker_at(spare) < second_worker_at(plain)
+    assert not spare[-1].rising and spare[-1].targets == plain[-1].targets  # flat: the spare is given back
+    # ... once the down delay (5 s, counting its first interval) has passed since the rise ended
+    last_rising = max(i for i, d in enumerate(spare) if d.rising)
+    given_back = next(i for i in range(last_rising, len(rates)) if spare[i].targets == plain[i].targets)
+    assert given_back - last_rising >= 4
+
+
+def test_no_spare_for_a_trickle_nor_without_a_trend() -> None:
+    config = dict(interval_s=1.0, start_s=3.0, read_window_s=2.0)
+    trickle = _decide_all(_config(predictor="holt", **config), [0.1 * step for step in range(1, 20)])
+    assert any(d.rising for d in trickle) and max(d.needs["prefill"] for d in trickle) < 0.8
+    assert {d.targets["prefill"] for d in trickle} == {1}  # a trickle's rise stays on its one worker
+    ramp = [0.5 * step for step in range(1, 25)]
+    level = _decide_all(_config(predictor="ewma", **config), ramp)  # a predictor without a trend never rises
+    assert not any(d.rising for d in level)
+    assert [d.targets for d in level] == [d.targets for d in _decide_all(
+        _config(predictor="ewma", rise_spare_workers=0, **config), ramp)]
+    with pytest.raises(ValueError, match="rise_spare_workers"):
+        PlannerCore(_config(rise_spare_workers=-1), ("prefill", "decode"), _profile())

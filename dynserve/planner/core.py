@@ -15,6 +15,12 @@ Two modes (`PlannerConfig.mode`):
   (prefill) or ITL (decode) compares with what the profile expects at the load it carries now (an EWMA of
   observed / expected, bounded): a fleet slower than its profile gets more workers (one faster keeps the
   profile's count: `correction_bounds`). A `both` pool needs the sum of the two (its workers do both).
+  **Rise headroom**: while the predicted rate rises (the prediction at the horizon over the predictor's
+  level by `rise_threshold`: Holt's trend; a constant or EWMA predictor never rises) a pool that prefills
+  (`prefill`, `both`) whose need is at least `rise_min_need` keeps `rise_spare_workers` over its need: a
+  worker decided now serves only after a start, and the next step of a rise (a burst of arrivals on a busy
+  model) can come before it. A trickle's blips (needs under `rise_min_need`) and a flat or falling load get
+  no spare.
 - **load**: no profile; a pool grows when its observed TTFT (prefill, both) or ITL (decode, both) is over its
   target or its queue is over `load_queue_per_worker` a worker, and shrinks when every signal is comfortably
   under (below `load_headroom` x target, nothing queued).
@@ -112,6 +118,11 @@ class PlannerConfig:
     # queue (one prefill at a time) is pessimistic where prefills batch, and correcting below it starved the
     # pool as load rose (benchmarks.planner)
     correction_bounds: tuple[float, float] = (1.0, 3.0)
+    # rise headroom (see the module doc): on the multimodel benchmark's rises a model's arrivals jumped from
+    # 2 to 6-10 req/s within 2-3 s while its next prefill worker took 3-6 s to serve
+    rise_spare_workers: int = 1
+    rise_threshold: float = 0.1
+    rise_min_need: float = 0.8
 
     def min_of(self, pool: str) -> int:
         return self.min_workers.get(pool, 1)
@@ -123,7 +134,9 @@ class PlannerConfig:
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The worker count each pool should have, why (`reasons`: sla_up, sla_down, load_up, load_down, yield,
-    hold, idle, wake, override, budget, bound), and what the SLA mode predicted and needed (NaN in load mode)."""
+    hold, idle, wake, override, budget, bound), and what the SLA mode predicted and needed (NaN in load mode);
+    `rising`: the sla mode saw the rate rising (its prefilling pools got `rise_spare_workers` over their
+    need)."""
 
     now_s: float
     targets: dict[str, int]
@@ -134,6 +147,7 @@ class Decision:
     predicted_isl: float = NAN
     predicted_osl: float = NAN
     horizon_s: float = NAN  # how far ahead the predictions are (sla mode)
+    rising: bool = False
 
     def changed(self, previous: Mapping[str, int]) -> dict[str, int]:
         """The pools whose target differs from `previous`, and their new targets."""
@@ -181,6 +195,10 @@ class PlannerCore:
             raise ValueError(f"pools must be some of {POOLS}, got {list(pools)}")
         if config.mode == "sla" and profile is None:
             raise ValueError("the sla mode needs a capacity profile")
+        if config.rise_spare_workers < 0 or config.rise_threshold < 0 or config.rise_min_need < 0:
+            raise ValueError(f"rise_spare_workers ({config.rise_spare_workers}), rise_threshold "
+                             f"({config.rise_threshold}) and rise_min_need ({config.rise_min_need}) "
+                             "must be >= 0")
         for pool in pools:
             if not 0 <= config.min_of(pool) <= config.max_of(pool):
                 raise ValueError(f"pool {pool}: min_workers {config.min_of(pool)} and max_workers "
@@ -234,6 +252,7 @@ class PlannerCore:
         active = self._note_activity(observation)
         self._yielding = self.budget is not None and self.budget.others_squeezed(self.member)
         needs = dict.fromkeys(self.pools, NAN)
+        rising = False
         if not full:
             targets, reasons = dict(current), dict.fromkeys(self.pools, "hold")
         else:
@@ -247,7 +266,8 @@ class PlannerCore:
             if config.mode == "sla":
                 self._correct(observation)
                 needs = self._sla_needs()
-                targets, reasons = self._sla_targets(current, needs)
+                rising = self._rising()
+                targets, reasons = self._sla_targets(current, needs, rising=rising)
             else:
                 targets, reasons = self._load_targets(current, observation)
         idle = (config.idle_s is not None and not active and self._last_active_s is not None
@@ -275,7 +295,7 @@ class PlannerCore:
         steps = self.horizon_s / config.interval_s
         return Decision(now_s, targets, reasons, needs, dict(self.corrections), _or_nan(self._rate.predict(steps)),
                         _or_nan(self._isl.predict()), _or_nan(self._osl.predict()),
-                        self.horizon_s if config.mode == "sla" else NAN)
+                        self.horizon_s if config.mode == "sla" else NAN, rising)
 
     # ---- the horizon ---------------------------------------------------------------------------------------
 
@@ -350,20 +370,30 @@ class PlannerCore:
             needs[pool] = (prefill + decode) * self.corrections[pool]
         return needs
 
-    def _sla_targets(self, current: Mapping[str, int], needs: Mapping[str, float]
+    def _rising(self) -> bool:
+        """Whether the rate predictor sees the rate rising: its prediction at the horizon over its level now
+        by more than `rise_threshold`."""
+        level = self._rate.predict(0.0)
+        ahead = self._rate.predict(self.horizon_s / self.config.interval_s)
+        return level is not None and ahead is not None and ahead > level * (1 + self.config.rise_threshold)
+
+    def _sla_targets(self, current: Mapping[str, int], needs: Mapping[str, float], *, rising: bool = False
                      ) -> tuple[dict[str, int], dict[str, str]]:
         config = self.config
         targets: dict[str, int] = {}
         reasons: dict[str, str] = {}
         for pool in self.pools:
             now, need = current[pool], needs[pool]
-            wanted = config.max_of(pool) if math.isinf(need) else min(math.ceil(need - 1e-9), config.max_of(pool))
+            spare = rising and pool in ("prefill", "both")
+            wanted = config.max_of(pool) if math.isinf(need) else min(_wanted(need, config, rise=spare),
+                                                                      config.max_of(pool))
             if wanted > now:
                 self._lower_since[pool] = None
                 targets[pool], reasons[pool] = min(wanted, now + config.max_step_up), "sla_up"
                 continue
-            # one worker fewer still carries the need with `down_margin` to spare
-            fits_fewer = now > 0 and not math.isinf(need) and need <= (now - 1) * (1 - config.down_margin)
+            # one worker fewer still carries the need with `down_margin` to spare (and a rise's spare is kept)
+            fits_fewer = (now > 0 and not math.isinf(need) and need <= (now - 1) * (1 - config.down_margin)
+                          and wanted < now)
             targets[pool], reasons[pool] = self._maybe_down(pool, now, fits_fewer, max(wanted, 0), "sla_down")
         return targets, reasons
 
@@ -469,6 +499,15 @@ class PlannerCore:
                        if math.isfinite(needs.get(p, NAN)) else targets[p])
             targets[pool] -= 1
             reasons[pool] = "budget"
+
+
+def _wanted(need: float, config: PlannerConfig, *, rise: bool) -> int:
+    """The whole workers a finite `need` asks for, with `rise_spare_workers` more on a rise (`rise`) where the
+    need is at least `rise_min_need`."""
+    wanted = math.ceil(need - 1e-9)
+    if rise and need >= config.rise_min_need:
+        wanted += config.rise_spare_workers
+    return wanted
 
 
 def _at_least(predicted: float | None, observed: float) -> float | None:
