@@ -7,6 +7,7 @@ arithmetic for a model) behind `dynctl gateway --worker-url`. The real vLLM runs
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -141,6 +142,71 @@ def test_a_gap_without_a_replay_clears_the_workers_index_and_rebuilds_it() -> No
     assert gaps == [(2, False)]
     assert [type(e) for e in emitted] == [BlockStored, AllBlocksCleared, AllBlocksCleared]
     assert [e.event_id for e in emitted] == [0, 1, 2]  # numbered without gaps: the router applies each
+
+
+def test_a_relay_that_joins_late_learns_what_the_server_cached_before_it_from_the_replay() -> None:
+    """A gateway restarted in front of a warm vLLM server (or a server attached after it took traffic): the
+    relay reads the server's replay socket from 0 before the live stream, so the router answers a hit for the
+    prefixes cached before it joined (here vLLM's own recorded messages, served as its replay socket serves
+    them) and goes on from the next sequence number without calling that a gap."""
+    import zmq
+    import zmq.asyncio
+
+    from benchmarks._services import free_port
+
+    run = _recorded()
+    server = json.loads((run / "server.json").read_text())
+    recorded = json.loads((run / "events.json").read_text())
+    messages = [(m["seq"], bytes.fromhex(m["payload"])) for m in recorded["messages"]]
+    pub_endpoint, replay_endpoint = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    emitted: list[Any] = []
+    gaps: list[tuple[int, bool]] = []
+    relay = VllmEventRelay(emitted.extend, "v0", VllmTranslator(server["model"], server["block_size"]),
+                           pub_endpoint, replay_endpoint=replay_endpoint,
+                           on_gap=lambda n, replayed: gaps.append((n, replayed)))
+
+    async def go() -> None:
+        context = zmq.asyncio.Context.instance()
+        pub, router = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+        pub.bind(pub_endpoint)
+        router.bind(replay_endpoint)
+
+        async def serve_replay() -> None:  # as vLLM's replay socket answers: every buffered seq >= the asked one
+            client, _empty, start = await router.recv_multipart()
+            for seq, payload in messages:
+                if seq >= int.from_bytes(start, "big"):
+                    await router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
+            await router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+        replaying = asyncio.create_task(serve_replay())
+        following = asyncio.create_task(relay.run())
+        try:
+            await asyncio.wait_for(replaying, 10)
+            while relay.next_seq != len(messages):
+                await asyncio.sleep(0.01)
+            # the next live message follows on: no gap, nothing replayed again
+            last_seq, last_payload = messages[-1]
+            for _ in range(100):  # until the subscription has reached the publisher
+                await pub.send_multipart((b"", (last_seq + 1).to_bytes(8, "big"), last_payload))
+                await asyncio.sleep(0.02)
+                if relay.next_seq == len(messages) + 1:
+                    break
+        finally:
+            following.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await following
+            pub.close(linger=0)
+            router.close(linger=0)
+
+    asyncio.run(go())
+    assert relay.next_seq == len(messages) + 1 and gaps == []
+    index = KVIndex()
+    assert index.apply("v0", emitted)
+    exchanges = json.loads((run / "exchanges.json").read_text())
+    salt, block_size = model_salt(server["model"]), server["block_size"]
+    prompts = [e["request"]["prompt"] for e in exchanges[:3] if len(e["request"]["prompt"]) >= block_size]
+    for prompt in prompts:
+        assert index.match(hash_blocks(prompt, block_size, salt)).get("v0") == len(prompt) // block_size
 
 
 # ---- the completion stream ---------------------------------------------------------------------------------

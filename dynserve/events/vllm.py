@@ -26,6 +26,13 @@ keeps its translation while any medium holds the block, so a removal on any medi
 on a medium we do not know are counted (`VllmTranslator.num_unknown_medium`) and not indexed. A vLLM
 `AllBlocksCleared` clears the worker on every medium (an undercount if vLLM kept its offloaded blocks).
 
+Joining late. A relay that starts beside a server that has already served (a gateway restarted in front of
+warm vLLM servers, a server attached after it took traffic) would never index the prefixes cached before it
+joined, nor any block stored after them (their parents unseen). So before it reads the live stream it asks the
+replay socket for everything it still buffers, from sequence number 0, and applies that in order: from its
+oldest buffered message where the buffer no longer reaches back to 0 (blocks stored before that stay unknown:
+an undercount).
+
 Gaps. A sequence number that skips ahead is a lost message: the relay asks the replay socket for the missed
 ones; when there is none, or the replay does not reach back that far, the worker's index is cleared
 (`AllBlocksCleared`) and rebuilt from the events that follow.
@@ -261,8 +268,9 @@ class VllmEventRelay:
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(self.endpoint)
+        sub.connect(self.endpoint)  # before the catch-up: what is published meanwhile waits in the socket
         try:
+            await self.catch_up()
             while True:
                 _topic, seq_bytes, payload = await sub.recv_multipart()
                 await self.receive(int.from_bytes(seq_bytes, "big", signed=True), payload)
@@ -293,9 +301,17 @@ class VllmEventRelay:
             events = [self.translator.reset()]
         await self._publish(events)
 
-    async def _replay(self, start: int, stop: int) -> bool:
-        """Batches [start, stop) from the replay socket, published in order; False if it has none of them or
-        not from `start`."""
+    async def catch_up(self) -> bool:
+        """What the server published before this relay joined, as far back as its replay socket still buffers it,
+        published in order (see "Joining late" in the module's docstring). False when there is no replay socket,
+        it answered nothing, or the relay has already read the stream."""
+        if self.next_seq is not None:
+            return False
+        return await self._replay(0, None, from_oldest=True)
+
+    async def _replay(self, start: int, stop: int | None, *, from_oldest: bool = False) -> bool:
+        """Batches [start, stop) (stop None: all) from the replay socket, published in order; False if it has
+        none of them, or (unless `from_oldest`) not from `start`."""
         if self.replay_endpoint is None:
             return False
         import zmq
@@ -314,14 +330,14 @@ class VllmEventRelay:
                 seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == END_SEQ:
                     break
-                if seq < stop:
+                if seq >= start and (stop is None or seq < stop):
                     got.append((seq, frames[-1]))
         except (TimeoutError, OSError, zmq.ZMQError) as exc:
             logger.warning("worker %s: KV event replay failed: %s", self.worker_id, exc)
             return False
         finally:
             dealer.close(linger=0)
-        if not got or got[0][0] != start:
+        if not got or (got[0][0] != start and not from_oldest):
             return False
         for seq, payload in got:
             self.next_seq = seq + 1
