@@ -443,6 +443,32 @@ def test_the_least_pending_worker_is_picked_without_a_router() -> None:
     assert run(go()) == "b"
 
 
+def test_a_finished_requests_load_leaves_the_router_before_its_last_delta_reaches_the_caller() -> None:
+    """A client that sends its next request as soon as it has read the end must find the worker free: the
+    router stops counting a request's blocks when the worker finishes it, not when the caller next pulls."""
+    from dynserve.router.router import Router
+
+    a, b = ScriptedChannel("a"), ScriptedChannel("b")
+    router = Router("least_loaded", block_size=4, salt=0)
+    backend, _ = dispatcher([a, b], router=router)
+
+    async def go() -> tuple[int, int]:
+        await backend.start()
+        try:
+            async with contextlib.aclosing(backend.generate(request(max_tokens=3))) as deltas:
+                async for delta in deltas:
+                    if delta.finished:
+                        worker = "a" if a.requests else "b"
+                        # the caller holds the last delta; the stream is not closed yet
+                        return router.active_blocks(worker), router.active_blocks("b" if worker == "a" else "a")
+                    assert router.active_blocks("a" if a.requests else "b") > 0
+            raise AssertionError("no finished delta")
+        finally:
+            await backend.stop()
+
+    assert run(go()) == (0, 0)
+
+
 # ---- disaggregated ---------------------------------------------------------------------------------------
 
 

@@ -276,6 +276,10 @@ class Dispatcher:
                             reason = "worker_aborted"
                             delta = msgspec.structs.replace(delta, finished=False, finish_reason=None)
                         sent.extend(delta.token_ids)
+                        if delta.finished and self.router is not None:
+                            # its load leaves the worker now, not when the caller next pulls (it may first send
+                            # the end to its client, whose next request must see the worker as free)
+                            self.router.finished(request.request_id)
                         if delta.token_ids or reason is None:
                             yield delta
                         if reason is not None:

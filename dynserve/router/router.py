@@ -160,7 +160,12 @@ class Router:
         if self.observer is not None:
             self.observer.observe_routed(worker_id)
 
+    def active_blocks(self, worker_id: str) -> int:
+        """The load this router counts on `worker_id`: the blocks of what it sent there and has not seen finish."""
+        return self._active.get(worker_id, 0)
+
     def finished(self, request_id: str) -> None:
+        """The request's load leaves its worker; idempotent (a request already finished is ignored)."""
         entry = self._inflight.pop(request_id, None)
         if entry is not None:
             worker_id, num_blocks = entry
