@@ -16,11 +16,12 @@ Two modes (`PlannerConfig.mode`):
   observed / expected, bounded): a fleet slower than its profile gets more workers (one faster keeps the
   profile's count: `correction_bounds`). A `both` pool needs the sum of the two (its workers do both).
   **Rise headroom**: while the predicted rate rises (the prediction at the horizon over the predictor's
-  level by `rise_threshold`: Holt's trend; a constant or EWMA predictor never rises) a pool that prefills
-  (`prefill`, `both`) whose need is at least `rise_min_need` keeps `rise_spare_workers` over its need: a
-  worker decided now serves only after a start, and the next step of a rise (a burst of arrivals on a busy
-  model) can come before it. A trickle's blips (needs under `rise_min_need`) and a flat or falling load get
-  no spare.
+  level by `rise_threshold`: Holt's trend; a constant or EWMA predictor never rises) and that rate alone
+  fills `rise_min_need` of a prefill worker at the ISL the model usually sees (a slow EWMA of the windows'
+  mean ISL), a pool that prefills (`prefill`, `both`) whose need is at least `rise_min_need` keeps
+  `rise_spare_workers` over its need: a worker decided now serves only after a start, and the next step of
+  a rise (a burst of arrivals on a busy model) can come before it. A trickle whose need reads high on one
+  long prompt or a pair of arrivals, and a flat or falling load, get no spare.
 - **load**: no profile; a pool grows when its observed TTFT (prefill, both) or ITL (decode, both) is over its
   target or its queue is over `load_queue_per_worker` a worker, and shrinks when every signal is comfortably
   under (below `load_headroom` x target, nothing queued).
@@ -52,7 +53,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from dynserve.planner.predictors import PredictorName, make_predictor
+from dynserve.planner.predictors import EwmaPredictor, PredictorName, make_predictor
 
 if TYPE_CHECKING:
     from dynserve.planner.profile import CapacityProfile
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 __all__ = ["POOLS", "Decision", "Observation", "PlannerConfig", "PlannerCore", "PoolObservation", "SharedBudget"]
 
 POOLS = ("prefill", "decode", "both")
+_USUAL_ISL_ALPHA = 0.1  # the weight of a window's mean ISL in the usual ISL a rise's spare is judged at
 _SERVING = ("decode", "both")  # a fleet needs one of these to answer at all (prefill alone cannot)
 NAN = math.nan
 
@@ -122,7 +124,7 @@ class PlannerConfig:
     # 2 to 6-10 req/s within 2-3 s while its next prefill worker took 3-6 s to serve
     rise_spare_workers: int = 1
     rise_threshold: float = 0.1
-    rise_min_need: float = 0.8
+    rise_min_need: float = 0.65
 
     def min_of(self, pool: str) -> int:
         return self.min_workers.get(pool, 1)
@@ -207,6 +209,7 @@ class PlannerCore:
         self.budget, self.member = budget, member
         self._yielding = False  # another model is squeezed by the shared budget: shrink what is spare at once
         self._rate, self._isl, self._osl = (make_predictor(config.predictor) for _ in range(3))
+        self._usual_isl = EwmaPredictor(_USUAL_ISL_ALPHA)  # what a rise's spare is judged at
         self._observed_rate = 0.0
         self._observed_isl = self._observed_osl = NAN  # this window's means (NaN: no requests finished in it)
         self._last_full_s: float | None = None
@@ -262,6 +265,7 @@ class PlannerCore:
             self._rate.observe(self._observed_rate)
             self._observed_isl, self._observed_osl = observation.mean_isl, observation.mean_osl
             self._isl.observe(observation.mean_isl)
+            self._usual_isl.observe(observation.mean_isl)
             self._osl.observe(observation.mean_osl)
             if config.mode == "sla":
                 self._correct(observation)
@@ -371,11 +375,17 @@ class PlannerCore:
         return needs
 
     def _rising(self) -> bool:
-        """Whether the rate predictor sees the rate rising: its prediction at the horizon over its level now
-        by more than `rise_threshold`."""
-        level = self._rate.predict(0.0)
-        ahead = self._rate.predict(self.horizon_s / self.config.interval_s)
-        return level is not None and ahead is not None and ahead > level * (1 + self.config.rise_threshold)
+        """Whether a rise is due its spare: the rate predictor's prediction at the horizon is over its level
+        now by more than `rise_threshold`, and that rate alone fills `rise_min_need` of a prefill worker at
+        the usual ISL (not the window's, which one long prompt can make a trickle's need read high)."""
+        assert self.profile is not None
+        config = self.config
+        level, usual_isl = self._rate.predict(0.0), self._usual_isl.predict()
+        ahead = self._rate.predict(self.horizon_s / config.interval_s)
+        if level is None or ahead is None or usual_isl is None or ahead <= level * (1 + config.rise_threshold):
+            return False
+        capacity = self.profile.prefill_capacity_tokens_per_s(usual_isl, config.ttft_target_s)
+        return capacity > 0 and ahead * usual_isl / capacity >= config.rise_min_need
 
     def _sla_targets(self, current: Mapping[str, int], needs: Mapping[str, float], *, rising: bool = False
                      ) -> tuple[dict[str, int], dict[str, str]]:
