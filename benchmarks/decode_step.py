@@ -5,10 +5,8 @@ path before the kernels: the baseline) in the same run.
 For each implementation and batch size (1 and 16 sequences of 256-token random prompts, greedy), the
 engine prefills the batch, decodes a few warm-up steps, and then times decode steps while every op the
 model calls is timed on the engine's thread:
-- `linear` (the 30 layers' QKV, output and down projections), `gate_up` (the MLP's gate/up projection with
-  its activation: fused in the GEMM's epilogue natively, a linear then `silu_mul` in torch), `logits` (the LM
-  head), `attention` (cache write and paged decode attention), `norms` (RMSNorm with the residual add),
-  `rope`, `silu_mul` (the activation where a model calls it apart: no group of its own otherwise);
+- `linear` (the 30 layers' four projections), `logits` (the LM head), `attention` (cache write and paged
+  decode attention), `norms` (RMSNorm with the residual add), `rope`, `silu_mul`;
 - `other`: the rest of the step (embedding, step inputs and block tables, sampling, scheduling, Python).
 
 Step times are medians over the timed steps (each op's share is its total over the timed steps / steps).
@@ -42,7 +40,7 @@ from dynserve.protocol import SamplingParams
 PROMPT_TOKENS = 256
 NUM_SPECIAL_IDS = 17  # prompts avoid SmolLM2's special tokens
 OP_GROUPS = {"linear": "linear", "logits": "logits", "rms_norm": "norms", "add_rms_norm": "norms",
-              "rope_qkv": "rope", "rope_tables": "rope", "gated_mlp": "gate_up", "silu_mul": "silu_mul"}
+              "rope_qkv": "rope", "rope_tables": "rope", "silu_mul": "silu_mul"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -3,10 +3,8 @@
 For each prompt length (128, 512 and 2,048 tokens by default: random token ids, prefix caching off, one
 output token) the engine prefills two warm-up prompts, then times `--repeats` prefills while every op the
 model calls is timed on the engine's thread, in `benchmarks.decode_step`'s groups: `linear` (the layers'
-QKV, output and down projections), `gate_up` (the MLP's gate/up projection with its activation), `logits`
-(the LM head), `attention` (the cache write and the attention), `norms`, `rope`, `silu_mul`; `other` is the
-rest (embedding, step inputs, sampling, scheduling, Python). The linears' GFLOP/s are every projection's
-FLOPs over the time of `linear` and `gate_up` together (the activation's share of the latter is small). A prompt of
+four projections), `logits` (the LM head), `attention` (the cache write and the attention), `norms`,
+`rope`, `silu_mul`; `other` is the rest (embedding, step inputs, sampling, scheduling, Python). A prompt of
 up to `max_num_batched_tokens` (1,024) prefills in one step, a longer one in chunks.
 
 The peak: `vdpbf16ps` on 512-bit registers with 24 independent accumulators and every operand in
@@ -153,7 +151,7 @@ def measure(engine: LLMEngine, num_tokens: int, repeats: int, seed: int = 0) -> 
     return {"tokens": num_tokens, "ms_p50": 1000 * statistics.median(times_s), "ms_mean": mean_ms,
             "tok_s": num_tokens / statistics.median(times_s),
             "parts_ms": {k: round(v, 2) for k, v in parts_ms.items()},
-            "linear_gflops": linear_flops / ((parts_ms["linear"] + parts_ms.get("gate_up", 0.0)) / 1000) / 1e9,
+            "linear_gflops": linear_flops / (parts_ms["linear"] / 1000) / 1e9,
             "attention_gflops": attention_flops / (parts_ms["attention"] / 1000) / 1e9}
 
 

@@ -121,44 +121,6 @@ def test_linear_matches_an_fp32_product(kernel, num_rows, out_features, in_featu
     torch.testing.assert_close(kernel.linear(wide, packed.packed, out_features, True), out32, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("num_rows", [1, 3, 6, 7, 16, 130])
-@pytest.mark.parametrize(("inter", "in_features"), [(1536, 576), (48, 64), (16, 2)])
-@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
-def test_the_gated_linear_is_the_linear_then_the_activation_to_the_bit(kernel, native_ops, num_rows, inter,
-                                                                       in_features, act) -> None:  # type: ignore[no-untyped-def]
-    """The MLP's gate/up projection with its activation in the GEMM's epilogue gives exactly what the bf16
-    linear followed by `silu_mul` / `gelu_tanh_mul` gives (with every group of the packed panels, pairs in
-    whole tiles and a last group of one pair: 1536 / 16 * 2 = 192 panels, 48 -> 6, 16 -> 2)."""
-    if not kernel.has_avx512_bf16():
-        pytest.skip("no AVX512-BF16 on this CPU: the torch GEMM serves every linear")
-    g = torch.Generator().manual_seed(num_rows + inter)
-    x = torch.randn(num_rows, in_features, generator=g).bfloat16()
-    w = (torch.randn(2 * inter, in_features, generator=g) / in_features**0.5).bfloat16()
-    fused = native_ops.prepare_gated(w)
-    assert isinstance(fused, cpu_ops.PackedGatedWeight) and fused.packed.shape == (inter // 8, in_features // 2, 16, 2)
-    unfused = native_ops.prepare(w)
-    gate_up = native_ops.linear(x, unfused)
-    expected = native_ops.gelu_tanh_mul(gate_up) if act == "gelu_tanh" else native_ops.silu_mul(gate_up)
-    out = native_ops.gated_mlp(x, fused, act)
-    assert out.dtype == torch.bfloat16 and out.shape == (num_rows, inter)
-    assert torch.equal(out, expected)
-    # the unpacked path of the same op agrees too (a weight the kernel cannot take: linear, then activation)
-    assert torch.equal(native_ops.gated_mlp(x, unfused, act), expected)
-
-
-def test_a_gate_up_weight_that_does_not_pair_into_panels_is_not_fused(kernel, native_ops) -> None:  # type: ignore[no-untyped-def]
-    w = torch.zeros(2 * 24, 8, dtype=torch.bfloat16)  # 24 columns: not whole panels of 16
-    assert not isinstance(native_ops.prepare_gated(w), cpu_ops.PackedGatedWeight)
-    with pytest.raises(ValueError, match="two halves of a multiple of 16"):
-        cpu_ops.pack_gated(w)
-    if kernel.has_avx512_bf16():
-        packed = cpu_ops.pack_gated(torch.zeros(64, 8, dtype=torch.bfloat16)).packed
-        with pytest.raises(RuntimeError, match="do not match"):
-            kernel.linear_gated(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 48, 0)
-        with pytest.raises(RuntimeError, match="act is 0"):
-            kernel.linear_gated(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 32, 2)
-
-
 def test_ops_refuse_what_they_cannot_compute(kernel) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RuntimeError, match="bf16 only"):
         kernel.rms_norm(torch.zeros(2, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5)

@@ -6,10 +6,8 @@ here and a third for GPUs (`triton_ops.TritonOps`, fused Triton kernels, chosen 
 - `NativeBf16Ops`: the C++ kernels of `cpu_native` for bf16 on CPU. Linear weights are packed once for
   the kernel's `vdpbf16ps` tiles (`prepare`): a decode step's few rows stream each weight at close to the
   machine's memory bandwidth (an eager bf16 matrix-vector product reaches about a third of it), and
-  prefill's many rows run a register-tiled GEMM. The MLP's gate/up projection is packed in (gate, up) pairs
-  (`prepare_gated`) and its activation runs in the GEMM's epilogue (`gated_mlp`), so the `[rows, 2 * inter]`
-  product is never written and read back. Norms and rope are fused, one call each instead of several eager
-  ops. Without AVX512-BF16 the linears stay torch's.
+  prefill's many rows run a register-tiled GEMM. Norms, rope and the activation are fused, one call each
+  instead of several eager ops. Without AVX512-BF16 the linears stay torch's.
 
 Every op exists in every implementation. Where one has no kernel of its own for a model's feature yet (the
 Triton ops' projection bias, q/k norm and GELU), it runs that piece in eager torch and says so: a warning
@@ -32,11 +30,10 @@ from dynserve.engine import memory
 from dynserve.engine.kernels import cpu_native, rope_angles
 from dynserve.engine.kernels.eager import rope_qkv_eager
 
-__all__ = ["NativeBf16Ops", "PackedGatedWeight", "PackedWeight", "StepOps", "TorchOps", "USE_FUSED_GATE_UP",
-           "USE_NATIVE_OPS", "USE_TRITON_OPS", "pack_gated", "pack_linear", "select_ops"]
+__all__ = ["NativeBf16Ops", "PackedWeight", "StepOps", "TorchOps", "USE_NATIVE_OPS", "USE_TRITON_OPS", "pack_linear",
+           "select_ops"]
 
 USE_NATIVE_OPS = True
-USE_FUSED_GATE_UP = True  # the MLP's activation in the gate/up GEMM's epilogue (A/B runs switch it off)
 USE_TRITON_OPS = True  # on CUDA (tests and A/B runs switch it off)
 
 _PANEL = 16  # output columns per packed panel (one fp32 vector of results)
@@ -64,32 +61,7 @@ def pack_linear(weight: torch.Tensor) -> PackedWeight:
     return PackedWeight(packed, n)
 
 
-@dataclass(frozen=True, slots=True)
-class PackedGatedWeight:
-    """A gate/up weight `[2 * inter, in_features]` (gate rows first) laid out for `cpu_native.linear_gated`:
-    `pack_linear`'s panels of the gate and of the up projection taken in turns (gate panel i, then up panel i),
-    so each tile of the kernel holds the gate and up columns that make its output columns. `inter` is a
-    multiple of 16."""
-
-    packed: torch.Tensor
-    intermediate: int
-
-
-def pack_gated(weight: torch.Tensor) -> PackedGatedWeight:
-    """`weight` (bf16 `[2 * inter, K]`, gate rows first, inter a multiple of 16, K even) packed for
-    `linear_gated`."""
-    rows, k = weight.shape
-    inter = rows // 2
-    if rows % 2 or inter % _PANEL:
-        raise ValueError(f"a gate/up weight of {rows} rows is not two halves of a multiple of {_PANEL}")
-    gate, up = pack_linear(weight[:inter]).packed, pack_linear(weight[inter:]).packed
-    pairs = torch.stack([gate, up], dim=1).view(-1, k // 2, _PANEL, 2)
-    packed = memory.empty(tuple(pairs.shape), weight.dtype, weight.device).copy_(pairs)
-    return PackedGatedWeight(packed, inter)
-
-
-Weight = torch.Tensor | PackedWeight | PackedGatedWeight
-_ACTS = ("silu", "gelu_tanh")  # the gated MLP's activations, by their index in `linear_gated`
+Weight = torch.Tensor | PackedWeight
 
 
 class StepOps(Protocol):
@@ -99,16 +71,7 @@ class StepOps(Protocol):
         """What `linear` and `logits` take for this weight (made once, when the model is first run)."""
         ...
 
-    def prepare_gated(self, weight: torch.Tensor) -> Weight:
-        """What `gated_mlp` takes for a gate/up weight `[2 * inter, hidden]` (gate rows first)."""
-        ...
-
     def linear(self, x: torch.Tensor, weight: Any) -> torch.Tensor: ...
-
-    def gated_mlp(self, x: torch.Tensor, weight: Any, act: str) -> torch.Tensor:
-        """`act(gate) * up` of `x @ weight.T` (`act`: "silu" or "gelu_tanh"), `[rows, inter]`: the same as
-        `silu_mul` / `gelu_tanh_mul` of `linear`."""
-        ...
 
     def logits(self, x: torch.Tensor, weight: Any) -> torch.Tensor:
         """fp32 `x @ weight.T`."""
@@ -157,15 +120,8 @@ class TorchOps:
     def prepare(self, weight: torch.Tensor) -> Weight:
         return weight
 
-    def prepare_gated(self, weight: torch.Tensor) -> Weight:
-        return weight
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
-
-    def gated_mlp(self, x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.Tensor:
-        gate_up = self.linear(x, weight)
-        return self.gelu_tanh_mul(gate_up) if act == "gelu_tanh" else self.silu_mul(gate_up)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight).float()
@@ -215,22 +171,10 @@ class NativeBf16Ops:
             return pack_linear(weight)
         return weight
 
-    def prepare_gated(self, weight: torch.Tensor) -> Weight:
-        if (USE_FUSED_GATE_UP and self._native_linear and weight.dtype == torch.bfloat16
-                and weight.shape[1] % 2 == 0 and weight.shape[0] % (2 * _PANEL) == 0):
-            return pack_gated(weight)
-        return self.prepare(weight)
-
     def linear(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         if isinstance(weight, PackedWeight):
             return self._k.linear(x, weight.packed, weight.out_features, False)
         return F.linear(x, weight)
-
-    def gated_mlp(self, x: torch.Tensor, weight: Weight, act: str) -> torch.Tensor:
-        if isinstance(weight, PackedGatedWeight):  # the activation in the linear's epilogue
-            return self._k.linear_gated(x, weight.packed, weight.intermediate, _ACTS.index(act))
-        gate_up = self.linear(x, weight)
-        return self.gelu_tanh_mul(gate_up) if act == "gelu_tanh" else self.silu_mul(gate_up)
 
     def logits(self, x: torch.Tensor, weight: Weight) -> torch.Tensor:
         if isinstance(weight, PackedWeight):

@@ -93,15 +93,8 @@ class TritonOps:
     def prepare(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
 
-    def prepare_gated(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight)
-
-    def gated_mlp(self, x: torch.Tensor, weight: torch.Tensor, act: str) -> torch.Tensor:
-        gate_up = self.linear(x, weight)  # cuBLAS, then the fused activation kernel
-        return self.gelu_tanh_mul(gate_up) if act == "gelu_tanh" else self.silu_mul(gate_up)
 
     def logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight).float()

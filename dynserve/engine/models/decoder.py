@@ -94,8 +94,7 @@ class CausalLM(nn.Module):
             ops = select_ops(self.embed_tokens.dtype, device)
             with torch.no_grad():
                 weights = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
-                prepared = [(ops.prepare(qkv), ops.prepare(o), ops.prepare_gated(gate_up), ops.prepare(down))
-                            for qkv, o, gate_up, down in weights]
+                prepared = [tuple(ops.prepare(w) for w in four) for four in weights]
                 lm_head = ops.prepare(self.lm_head)
             # only once everything is prepared (a failure leaves the model as it was): drop the originals of
             # packed copies; the LM head tied to the embedding stays, lookups read it
@@ -173,7 +172,7 @@ class CausalLM(nn.Module):
         hidden = F.embedding(input_ids, self.embed_tokens)
         if cfg.embed_scale is not None:  # in the weights' dtype, as the reference rounds it
             hidden = hidden * torch.tensor(cfg.embed_scale, dtype=hidden.dtype, device=hidden.device)
-        mlp_act = "gelu_tanh" if cfg.hidden_act == "gelu_tanh" else "silu"
+        mlp_act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_tanh" else ops.silu_mul
         n = hidden.shape[0]
         x = ops.rms_norm(hidden, self.layers[0].input_norm, eps) if len(self.layers) else hidden
         for layer_idx, (layer, (qkv_w, o_w, gate_up_w, down_w)) in enumerate(zip(self.layers, self._weights, strict=True)):
@@ -189,7 +188,7 @@ class CausalLM(nn.Module):
             if layer.attn_out_norm is not None:
                 out = ops.rms_norm(out, layer.attn_out_norm, eps)
             x, hidden = ops.add_rms_norm(out, hidden, layer.post_attn_norm, eps)
-            mlp = ops.linear(ops.gated_mlp(x, gate_up_w, mlp_act), down_w)
+            mlp = ops.linear(mlp_act(ops.linear(x, gate_up_w)), down_w)
             if layer.mlp_out_norm is not None:
                 mlp = ops.rms_norm(mlp, layer.mlp_out_norm, eps)
             if layer_idx + 1 < len(self.layers):

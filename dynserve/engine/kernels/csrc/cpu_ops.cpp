@@ -31,29 +31,6 @@ void check_bf16_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": needs a [rows, cols] tensor with contiguous rows");
 }
 
-// ---- the gated activation (SwiGLU's and GeGLU's act(gate) * up) ----------------------------------------------
-
-struct Silu {
-  float operator()(float x) const { return x / (1.f + std::exp(-x)); }
-};
-
-struct GeluTanh {
-  float operator()(float x) const {
-    constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
-    return 0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)));
-  }
-};
-
-// o[i] = act(g[i]) * u[i] for n bf16 elements: as torch, the activation is rounded to bf16 before the product.
-// Not inlined, so `gated_mul` and the fused linear (`linear_gated`) run the very same code and agree to the bit.
-template <typename Act>
-__attribute__((noinline)) void act_mul(const at::BFloat16* __restrict__ g, const at::BFloat16* __restrict__ u,
-                                       at::BFloat16* __restrict__ o, int64_t n) {
-  const Act act{};
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) o[i] = to_bf16(to_f32(to_bf16(act(to_f32(g[i])))) * to_f32(u[i]));
-}
-
 // ---- linear ----------------------------------------------------------------------------------------------
 //
 // The weight is packed once (`pack_linear`, in Python) as [N / 16 panels][K / 2 pairs][16 columns][2]: one
@@ -70,9 +47,7 @@ constexpr int kPanelsPerTile = 4;
 constexpr int kMaxTileRows = 6;  // 6 x 4 accumulators + 4 weight registers + a broadcast fit the 32 registers
 
 // `next`, when given: a group of panels to fetch into L2 meanwhile, its panels in `next_panels` (a bit each).
-// `Act` (not void): the panels come in (gate, up) pairs (`pack_gated`) and y gets act(gate) * up, 16 columns a
-// pair, each gate and up rounded to bf16 first as `linear` rounds them (`num_cols`: y's columns of the tile).
-template <int MT, int NB, typename Out, typename Act = void>
+template <int MT, int NB, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void tile(
     const at::BFloat16* __restrict__ x, int64_t K, const at::BFloat16* __restrict__ wp, int64_t K2,
     Out* __restrict__ y, int64_t N, int64_t num_cols, bool prefetch, const at::BFloat16* next,
@@ -97,17 +72,6 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void tile
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], w[b], xb);
     }
   }
-  if constexpr (!std::is_void_v<Act>) {
-    static_assert(NB % 2 == 0 && std::is_same_v<Out, at::BFloat16>, "gated tiles hold whole bf16 pairs");
-    alignas(64) at::BFloat16 gate[16], up[16];
-    for (int m = 0; m < MT; ++m)
-      for (int b = 0; b < NB; b += 2) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(gate), (__m256i)_mm512_cvtneps_pbh(acc[m][b]));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(up), (__m256i)_mm512_cvtneps_pbh(acc[m][b + 1]));
-        act_mul<Act>(gate, up, y + m * N + b / 2 * 16, 16);
-      }
-    return;
-  } else {
   for (int m = 0; m < MT; ++m) {
     for (int b = 0; b < NB && b * 16 < num_cols; ++b) {
       const int64_t count = std::min<int64_t>(16, num_cols - b * 16);
@@ -119,38 +83,29 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) inline void tile
       }
     }
   }
-  }
 }
 
 // Rows [m0, m0 + MT) of y over panels [p0, p1); `next` and `next_panels` as `tile`'s (one group of panels).
-// (Act: y's columns are half the panels', a pair of panels each 16; every group of panels holds whole pairs.)
-template <int MT, typename Out, typename Act = void>
+template <int MT, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512bf16,avx512vl"))) void tile_rows(
     const at::BFloat16* x, int64_t K, const at::BFloat16* wp, int64_t K2, Out* y, int64_t N, int64_t p0,
     int64_t p1, int64_t m0, bool prefetch, const at::BFloat16* next = nullptr, unsigned next_panels = 0) {
-  constexpr int64_t kColsPerPanel = std::is_void_v<Act> ? 16 : 8;
   for (int64_t p = p0; p < p1; p += kPanelsPerTile) {
     const int64_t nb = std::min<int64_t>(kPanelsPerTile, p1 - p);
-    const int64_t num_cols = std::min<int64_t>(nb * kColsPerPanel, N - p * kColsPerPanel);
+    const int64_t num_cols = std::min<int64_t>(nb * 16, N - p * 16);
     const at::BFloat16* w = wp + p * K2 * 32;
     const at::BFloat16* xm = x + m0 * K;
-    Out* ym = y + m0 * N + p * kColsPerPanel;
-    if constexpr (std::is_void_v<Act>) {
-      switch (nb) {
-        case 4: tile<MT, 4, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
-        case 3: tile<MT, 3, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
-        case 2: tile<MT, 2, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
-        default: tile<MT, 1, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
-      }
-    } else if (nb == 4) {
-      tile<MT, 4, Out, Act>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels);
-    } else {
-      tile<MT, 2, Out, Act>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels);
+    Out* ym = y + m0 * N + p * 16;
+    switch (nb) {
+      case 4: tile<MT, 4, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
+      case 3: tile<MT, 3, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
+      case 2: tile<MT, 2, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
+      default: tile<MT, 1, Out>(xm, K, w, K2, ym, N, num_cols, prefetch, next, next_panels); break;
     }
   }
 }
 
-template <typename Out, typename Act = void>
+template <typename Out>
 void linear_panels(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* wp, int64_t num_panels,
                    int64_t K2, Out* y, int64_t N) {
   const int64_t groups = (num_panels + kPanelsPerTile - 1) / kPanelsPerTile;
@@ -171,12 +126,12 @@ void linear_panels(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat
         unsigned panels = 0;
         for (int64_t b = t; b < next_count; b += num_tiles) panels |= 1u << b;
         switch (mt) {
-          case 6: tile_rows<6, Out, Act>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
-          case 5: tile_rows<5, Out, Act>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
-          case 4: tile_rows<4, Out, Act>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
-          case 3: tile_rows<3, Out, Act>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
-          case 2: tile_rows<2, Out, Act>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
-          default: tile_rows<1, Out, Act>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 6: tile_rows<6, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 5: tile_rows<5, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 4: tile_rows<4, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 3: tile_rows<3, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          case 2: tile_rows<2, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
+          default: tile_rows<1, Out>(x, K, wp, K2, y, N, p0, p1, m0, prefetch, next, panels); break;
         }
         m0 += mt;
       }
@@ -222,35 +177,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t out_features
     linear_panels<float>(xp, M, K, wp, num_panels, K2, y.data_ptr<float>(), out_features);
   } else {
     linear_panels<at::BFloat16>(xp, M, K, wp, num_panels, K2, y.data_ptr<at::BFloat16>(), out_features);
-  }
-#endif
-  return y;
-}
-
-// act(gate) * up of y = x @ w.T, for bf16 x [M, K] and a gate/up weight [2I, K] (gate rows first) packed by
-// `pack_gated`: its panels in (gate, up) pairs, I a multiple of 16. act: 0 SiLU, 1 GELU (tanh). The same bits
-// as `linear` (bf16 out) and then `silu_mul` / `gelu_tanh_mul`, without writing or reading the [M, 2I] product.
-torch::Tensor linear_gated(torch::Tensor x, torch::Tensor packed, int64_t intermediate, int64_t act) {
-  check_bf16_rows(x, "linear_gated");
-  TORCH_CHECK(has_avx512_bf16(), "linear_gated: needs a CPU with AVX512-BF16");
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
-                  packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2,
-              "linear_gated: the weight must be packed by pack_gated");
-  const int64_t M = x.size(0), K = x.size(1), num_panels = packed.size(0), K2 = packed.size(1);
-  TORCH_CHECK(K % 2 == 0 && K2 * 2 == K, "linear_gated: shapes ", x.sizes(), " and packed ", packed.sizes());
-  TORCH_CHECK(intermediate % 16 == 0 && num_panels * 8 == intermediate,
-              "linear_gated: ", intermediate, " columns do not match ", num_panels, " panels in pairs");
-  TORCH_CHECK(act == 0 || act == 1, "linear_gated: act is 0 (SiLU) or 1 (GELU tanh), not ", act);
-  x = x.contiguous();
-  auto y = torch::empty({M, intermediate}, x.options());
-#if defined(__x86_64__)
-  const auto* xp = x.data_ptr<at::BFloat16>();
-  const auto* wp = packed.data_ptr<at::BFloat16>();
-  auto* yp = y.data_ptr<at::BFloat16>();
-  if (act == 0) {
-    linear_panels<at::BFloat16, Silu>(xp, M, K, wp, num_panels, K2, yp, intermediate);
-  } else {
-    linear_panels<at::BFloat16, GeluTanh>(xp, M, K, wp, num_panels, K2, yp, intermediate);
   }
 #endif
   return y;
@@ -337,7 +263,7 @@ namespace {
 // act(gate) * up for bf16 gate_up [M, 2I] (gate first): [M, I]. As torch, the activation is rounded to bf16
 // before the product.
 template <typename Act>
-torch::Tensor gated_mul(torch::Tensor gate_up, const char* name) {
+torch::Tensor gated_mul(torch::Tensor gate_up, const char* name, Act act) {
   check_bf16_rows(gate_up, name);
   gate_up = gate_up.contiguous();
   const int64_t M = gate_up.size(0), I = gate_up.size(1) / 2;
@@ -348,7 +274,10 @@ torch::Tensor gated_mul(torch::Tensor gate_up, const char* name) {
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) {
       const at::BFloat16* g = gp + m * 2 * I;
-      act_mul<Act>(g, g + I, op + m * I, I);
+      const at::BFloat16* u = g + I;
+      at::BFloat16* o = op + m * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = to_bf16(to_f32(to_bf16(act(to_f32(g[i])))) * to_f32(u[i]));
     }
   });
   return out;
@@ -357,11 +286,16 @@ torch::Tensor gated_mul(torch::Tensor gate_up, const char* name) {
 }  // namespace
 
 // silu(gate) * up for bf16 gate_up [M, 2I] (gate first): [M, I].
-torch::Tensor silu_mul(torch::Tensor gate_up) { return gated_mul<Silu>(std::move(gate_up), "silu_mul"); }
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  return gated_mul(std::move(gate_up), "silu_mul", [](float x) { return x / (1.f + std::exp(-x)); });
+}
 
 // gelu_tanh(gate) * up, the same shapes (Gemma's MLP).
 torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
-  return gated_mul<GeluTanh>(std::move(gate_up), "gelu_tanh_mul");
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  return gated_mul(std::move(gate_up), "gelu_tanh_mul", [](float x) {
+    return 0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x)));
+  });
 }
 
 // Rotate-half rotary embedding, in place, on the query and key heads of bf16 qkv [M, (Hq + 2 Hkv) * D]
@@ -434,8 +368,6 @@ void register_cpu_ops(pybind11::module& m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("has_avx512_bf16", &has_avx512_bf16, "whether `linear` can run on this CPU");
   m.def("linear", &linear, "x @ w.T, bf16, over a weight packed by pack_linear", release());
-  m.def("linear_gated", &linear_gated, "act(gate) * up of x @ w.T over a gate/up weight packed by pack_gated",
-        release());
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows", release());
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up", release());
