@@ -28,13 +28,16 @@ class _Message:
     def __init__(self) -> None:
         self.headers: dict[bytes, bytes] = {}
         self.body: deque[bytes] = deque()
-        self.headers_done = self.done = False
+        self.headers_done = self.done = self.keep_alive = False
+        self.parser: httptools.HttpResponseParser | None = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        # asked here: once the message is complete the parser has moved on and says false
+        self.keep_alive = self.parser is not None and self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -84,11 +87,29 @@ class Response:
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
 
+    async def drain(self, timeout_s: float = 1.0) -> None:
+        """Read and drop the rest of the body (a stream whose last event has come), so its connection can be
+        kept; a body that does not end within `timeout_s` is closed instead."""
+        message = self._message
+        message.body.clear()
+        if message.done:
+            self._release()
+            return
+        try:
+            async with asyncio.timeout(timeout_s):
+                while not message.done:
+                    await self._pool._fill(self._conn, self._parser)
+        except TimeoutError:
+            self.close()
+            return
+        message.body.clear()
+        self._release()
+
     def _release(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._parser.should_keep_alive() and len(self._pool._idle) < self._pool._max_idle:
+        if self._message.keep_alive and len(self._pool._idle) < self._pool._max_idle:
             self._pool._idle.append(self._conn)
         else:
             self._conn.close()
@@ -145,7 +166,7 @@ class HttpPool:
             reused = bool(self._idle)
             conn = self._idle.pop() if reused else await self._open()
             message = _Message()
-            parser = httptools.HttpResponseParser(message)
+            parser = message.parser = httptools.HttpResponseParser(message)
             try:
                 conn.writer.write(head + body)
                 while not message.headers_done:
