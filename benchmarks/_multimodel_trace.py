@@ -41,7 +41,7 @@ from typing import Any
 from benchmarks.planner import fleet_for_rate
 from benchmarks.planner_trace import LengthDistribution, TraceRequest, windowed_rates_per_s
 
-__all__ = ["Sizing", "TurnsShape", "TurnsTrace", "generate", "model_rate_per_s", "models_busy_at_once",
+__all__ = ["Sizing", "TurnsShape", "TurnsTrace", "bump_s", "generate", "model_rate_per_s", "models_busy_at_once",
            "rates_by_model", "size_fleets", "total_by_time"]
 
 
@@ -85,6 +85,11 @@ def model_rate_per_s(shape: TurnsShape, model_index: int, t_s: float) -> float:
     if 0.0 <= offset_s <= 2 * shape.phase_s:
         busy = shape.peak_rate_per_s * math.sin(math.pi * offset_s / (2 * shape.phase_s)) ** 2
     return shape.trickle_rate_per_s + busy
+
+
+def bump_s(shape: TurnsShape, model_index: int) -> tuple[float, float]:
+    """When model `model_index` is over its trickle: its rise and its fall."""
+    return model_index * shape.phase_s, (model_index + 2) * shape.phase_s
 
 
 def generate(shape: TurnsShape, seed: int) -> TurnsTrace:

@@ -13,7 +13,9 @@ The model of the fleet, and what it leaves out:
   tokens a step), the KV transfer, the gateway, the machine's CPU;
 - **decode**: workers are counted (budget, worker-seconds), not simulated: a request misses when its TTFT
   does (TTFT > 2 s: `benchmarks.planner.SLO`; the fleets' rare mean-ITL misses came from the machine);
-- **a new worker** serves after a start drawn from a lognormal (`lag_median_s`, `lag_sigma`): the full runs
+- **a new worker** serves after a start drawn from a lognormal (`lag_median_s`, `lag_sigma`; each start's
+  draw keyed by the replay's seed, its model, pool, slot and decision time, so two settings compared see the
+  same lag wherever they start the same worker at the same time): the full runs
   measured a median of 2.2-2.8 s under load, p90 3.5-3.9 s, up to 6 s; a removed one finishes its queue;
 - **the planner's reads**, each model's every `interval_s` from a random phase: the rate of its arrivals
   over the read window (as `ArrivalRate`), the mean ISL, OSL and TTFT of the requests whose first token
@@ -26,26 +28,28 @@ settings replayed the same way, never as a forecast of a full run.
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks._multimodel_whatif
 
 replays the full plan's trace (seed 0) 20 times (start lags of median 3 and 4 s, 10 seeds each) for each of
-four settings, the shared budget of before 2026-11-28 (25) and the current one, each with and without the
-planner's rise spare, and prints each's misses, replays without a miss, worker-s ratio and budget cuts
-(about a minute).
+six settings: the shared budget of before 2026-11-28 (25) and the current one, each without the planner's
+rise spare, with it at the `rise_min_need` of 1867ca8 (0.65) and at the current one; and prints each's
+misses, replays without a miss, worker-s ratio, budget cuts and worker starts, all and the trickles' (about
+a minute).
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 import random
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from benchmarks._multimodel_trace import Sizing, TurnsTrace
 from dynserve.planner.core import Observation, PlannerConfig, PlannerCore, PoolObservation, SharedBudget
 
-__all__ = ["FIRST_TOKEN_S", "WhatIf", "main", "planner_config", "replay"]
+__all__ = ["FIRST_TOKEN_S", "WhatIf", "main", "planner_config", "replay", "start_lag_s"]
 
 FIRST_TOKEN_S = 0.03  # the first decode step after a prefill
 SCRAPE_LAG_S = 1.0
@@ -56,13 +60,16 @@ MISS_TTFT_S = 2.0
 class WhatIf:
     """One replay's figures: TTFT misses (and each one's model and arrival), worker-seconds (prefill and
     decode workers serving, all models) and their ratio to the static fleet's, pool decisions cut by the
-    budget."""
+    budget, workers started (each a process start: on the benchmark's 2 cores about 1.4 s of CPU), and of
+    them those a model started outside its bump (`bumps`: its trickle's blips)."""
 
     num_missed: int
     worker_s: float
     ratio: float
     num_budget_cuts: int
     missed: tuple[tuple[int, float], ...]
+    num_starts: int = 0
+    num_trickle_starts: int = 0
 
 
 @dataclass(slots=True)
@@ -74,6 +81,16 @@ class _Worker:
 
     def work_s(self, now_s: float, tokens_per_s: float) -> float:
         return max(0.0, self.busy_until_s - now_s) + sum(isl for _, isl, _ in self.queue) / tokens_per_s
+
+
+def start_lag_s(seed: int, model_index: int, pool: str, slot: int, decided_s: float, *, median_s: float,
+                sigma: float) -> float:
+    """The start of the worker that makes `pool` of model `model_index` `slot` workers, decided at
+    `decided_s`: lognormal, drawn from the start's own key rather than from one stream, so a setting that
+    starts one worker more or less leaves every other start's lag as it was (common random numbers: two
+    settings' misses differ by the setting, not by a reshuffled draw)."""
+    draw = random.Random(f"{seed}/{model_index}/{pool}/{slot}/{decided_s:.3f}")
+    return median_s * math.exp(draw.gauss(0.0, sigma))
 
 
 def planner_config(sizing: Sizing, *, ttft_target_s: float, itl_target_s: float, interval_s: float,
@@ -156,10 +173,11 @@ class _Model:
         return Observation(now_s, pools, rate, mean(2), mean(3))
 
     def scale(self, now_s: float, targets: Mapping[str, int], lag_s: Any) -> list[float]:
-        """Carry a decision out; the times new prefill workers join."""
+        """Carry a decision out (`lag_s(pool, slot)`: the start of a new worker that makes the pool's count
+        `slot`); the times new prefill workers join."""
         joins = []
-        for _ in range(targets["prefill"] - self.targets["prefill"]):
-            self.prefill.append(_Worker(now_s + lag_s()))
+        for slot in range(self.targets["prefill"] + 1, targets["prefill"] + 1):
+            self.prefill.append(_Worker(now_s + lag_s("prefill", slot)))
             joins.append(self.prefill[-1].serving_from_s)
         for _ in range(self.targets["prefill"] - targets["prefill"]):
             starting = [w for w in self.prefill if w.serving_from_s > now_s]
@@ -167,8 +185,8 @@ class _Model:
                 self.prefill.remove(starting[-1])
             else:
                 self._least_busy(self.serving(now_s), now_s).draining = True
-        for _ in range(targets["decode"] - self.targets["decode"]):
-            self.decode_from_s.append(now_s + lag_s())
+        for slot in range(self.targets["decode"] + 1, targets["decode"] + 1):
+            self.decode_from_s.append(now_s + lag_s("decode", slot))
         for _ in range(self.targets["decode"] - targets["decode"]):
             self.decode_from_s.pop()
         self.targets = dict(targets)
@@ -180,9 +198,11 @@ class _Model:
 
 
 def replay(trace: TurnsTrace, sizing: Sizing, profile: Any, config: PlannerConfig, *, budget: int,
-           lag_median_s: float = 3.0, lag_sigma: float = 0.45, seed: int = 0) -> WhatIf:
+           lag_median_s: float = 3.0, lag_sigma: float = 0.45, seed: int = 0,
+           bumps: Sequence[tuple[float, float]] = ()) -> WhatIf:
     """`trace` through one `PlannerCore` a model (`config`, sharing `budget` workers) against the fleet model
-    of the module docstring; `seed` draws the start lags and the planners' phases."""
+    of the module docstring; `seed` draws the start lags and the planners' phases; `bumps`: each model's
+    busy span (`_multimodel_trace.bump_s`), outside which its starts count as a trickle's."""
     rng = random.Random(seed)
     shared = SharedBudget(budget)
     by_model: list[list[tuple[float, int, int]]] = [[] for _ in range(trace.num_models)]
@@ -201,10 +221,10 @@ def replay(trace: TurnsTrace, sizing: Sizing, profile: Any, config: PlannerConfi
         events.extend((phase_s + k * config.interval_s, 0, m, 0)
                       for k in range(math.ceil((trace.duration_s - phase_s) / config.interval_s)))
     heapq.heapify(events)
-    worker_s, last_s, cuts = 0.0, 0.0, 0
+    worker_s, last_s, cuts, starts, trickle_starts = 0.0, 0.0, 0, 0, 0
 
-    def lag_s() -> float:
-        return lag_median_s * math.exp(rng.gauss(0.0, lag_sigma))
+    def lag_s(m: int, now_s: float, pool: str, slot: int) -> float:
+        return start_lag_s(seed, m, pool, slot, now_s, median_s=lag_median_s, sigma=lag_sigma)
     while events:
         now_s, kind, m, index = heapq.heappop(events)
         worker_s += sum(model.num_workers(now_s) for model in models) * (now_s - last_s)
@@ -218,7 +238,11 @@ def replay(trace: TurnsTrace, sizing: Sizing, profile: Any, config: PlannerConfi
         else:
             decision = model.core.decide(model.observe(now_s))
             cuts += sum(reason == "budget" for reason in decision.reasons.values())
-            for join_s in model.scale(now_s, decision.targets, lag_s):
+            started = sum(max(0, n - model.targets[pool]) for pool, n in decision.targets.items())
+            starts += started
+            if m < len(bumps) and not bumps[m][0] <= now_s <= bumps[m][1]:
+                trickle_starts += started
+            for join_s in model.scale(now_s, decision.targets, functools.partial(lag_s, m, now_s)):
                 heapq.heappush(events, (join_s, 2, m, 0))
     tail_s = max(0.0, trace.duration_s - last_s)
     worker_s += sum(model.num_workers(trace.duration_s) for model in models) * tail_s
@@ -227,12 +251,12 @@ def replay(trace: TurnsTrace, sizing: Sizing, profile: Any, config: PlannerConfi
     missed = tuple(sorted((m, model.requests[i][0]) for m, model in enumerate(models)
                           for i, ttft_s in enumerate(model.ttft_s) if ttft_s is None or ttft_s > MISS_TTFT_S))
     static_s = sizing.static_workers * trace.duration_s
-    return WhatIf(len(missed), worker_s, worker_s / static_s, cuts, missed)
+    return WhatIf(len(missed), worker_s, worker_s / static_s, cuts, missed, starts, trickle_starts)
 
 
 def main() -> None:
     from benchmarks._multimodel_planner import FULL_TURNS
-    from benchmarks._multimodel_trace import generate, models_busy_at_once, size_fleets
+    from benchmarks._multimodel_trace import bump_s, generate, models_busy_at_once, size_fleets
     from benchmarks.planner import PROFILE, SIZING
     from dynserve.planner import profile as profiles
 
@@ -241,21 +265,24 @@ def main() -> None:
     sizing = size_fleets(capacity, trace, plan.sizing_window_s, ttft_target_s=SIZING.ttft_ms / 1000,
                          itl_target_s=SIZING.itl_ms / 1000,
                          busy_at_once=models_busy_at_once(plan.shape, plan.down_delay_s))
+    bumps = [bump_s(plan.shape, m) for m in range(plan.shape.num_models)]
+    spares = {"no": {"rise_spare_workers": 0}, "at need 0.65": {"rise_min_need": 0.65},
+              f"at need {PlannerConfig().rise_min_need:g}": {}}
     for budget in (25, sizing.budget):
-        for spare in (0, 1):
+        for spare, changes in spares.items():
             config = planner_config(sizing, ttft_target_s=plan.planner_ttft_ms / 1000,
                                     itl_target_s=SIZING.itl_ms / 1000, interval_s=plan.interval_s,
-                                    read_window_s=plan.window_s, down_delay_s=plan.down_delay_s,
-                                    rise_spare_workers=spare)
-            runs = [replay(trace, sizing, capacity, config, budget=budget, lag_median_s=lag_s, seed=seed)
+                                    read_window_s=plan.window_s, down_delay_s=plan.down_delay_s, **changes)
+            runs = [replay(trace, sizing, capacity, config, budget=budget, lag_median_s=lag_s, seed=seed,
+                           bumps=bumps)
                     for lag_s in (3.0, 4.0)
                     for seed in range(1, 11)]
             clean = sum(r.num_missed == 0 for r in runs)
             print(f"budget {budget}, rise spare {spare}: {sum(r.num_missed for r in runs)} missed in "
                   f"{len(runs)} replays, {clean} without a miss, worker-s ratio "
                   f"{sum(r.ratio for r in runs) / len(runs):.3f}, {sum(r.num_budget_cuts for r in runs)} "
-                  "budget cuts", flush=True)
-
+                  f"budget cuts, {sum(r.num_starts for r in runs) / len(runs):.1f} worker starts a replay "
+                  f"({sum(r.num_trickle_starts for r in runs) / len(runs):.1f} outside the bumps)", flush=True)
 
 if __name__ == "__main__":
     main()

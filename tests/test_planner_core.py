@@ -340,7 +340,8 @@ def test_a_rise_gets_a_spare_prefill_worker_and_a_flat_load_gives_it_back() -> N
     assert [d.targets["decode"] for d in spare] == [d.targets["decode"] for d in plain]
     assert all(s.targets["prefill"] >= p.targets["prefill"] for s, p in zip(spare, plain, strict=True))
     on_the_rise = [(s, p) for s, p in zip(spare[:24], plain[:24], strict=True)
-                   if s.rising and s.needs["prefill"] >= 0.65 and math.ceil(s.needs["prefill"]) < 10]
+                   if s.rising and s.needs["prefill"] >= PlannerConfig().rise_min_need
+                   and math.ceil(s.needs["prefill"]) < 10]
     assert len(on_the_rise) >= 10
     assert all(s.targets["prefill"] > p.targets["prefill"] for s, p in on_the_rise)
 
@@ -353,6 +354,20 @@ def test_a_rise_gets_a_spare_prefill_worker_and_a_flat_load_gives_it_back() -> N
     last_rising = max(i for i, d in enumerate(spare) if d.rising)
     given_back = next(i for i in range(last_rising, len(rates)) if spare[i].targets == plain[i].targets)
     assert given_back - last_rising >= 4
+
+
+def test_a_step_to_under_the_spare_threshold_starts_no_worker() -> None:
+    """A pool at its floor whose rate steps up to a need of 0.7 of a worker (a trickle's blip: a few arrivals
+    in a short window, which Holt's trend reads as a rise) keeps its one worker; a step to a need of 0.82 gets
+    the rise's spare, one worker over the one it needs."""
+    config = _config(predictor="holt", interval_s=1.0, start_s=3.0, read_window_s=2.0)
+    blip = _decide_all(config, [1.0] * 10 + [2.5] * 3)[10:]
+    assert all(0.55 < d.needs["prefill"] < 0.8 for d in blip) and any(d.rising for d in _decide_all(
+        _config(predictor="holt", interval_s=1.0, start_s=3.0, read_window_s=2.0, rise_min_need=0.5),
+        [1.0] * 10 + [2.5] * 3)[10:])
+    assert [d.targets["prefill"] for d in blip] == [1, 1, 1]
+    step = _decide_all(config, [1.0] * 10 + [3.5])[-1]
+    assert 0.8 <= step.needs["prefill"] < 1.0 and step.rising and step.targets["prefill"] == 2
 
 
 def test_no_spare_for_a_trickle_nor_without_a_trend() -> None:
