@@ -16,13 +16,16 @@ Each request's body is a streamed completion of its own prompt (plain-word token
 exactly its output length, to its model; both fleets get the same bodies at the same times. A request meets
 the SLO (`benchmarks.planner.SLO`, modelled time) when its TTFT and mean ITL are within the targets.
 Worker-seconds are wall seconds of serving workers over the replay's length: the planner's integrated from
-the polled `serving`, the static fleet's its size times the replay.
+the polled `serving`, the static fleet's its size times the replay. Worker starts: what the polled targets
+added, each model's and those added outside its bump (a trickle's; each start is about 1.4 s of CPU on the
+benchmark's 2 cores).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import os
 import time
@@ -37,6 +40,7 @@ from benchmarks._multimodel_trace import (
     Sizing,
     TurnsShape,
     TurnsTrace,
+    bump_s,
     generate,
     models_busy_at_once,
     rates_by_model,
@@ -58,7 +62,7 @@ from benchmarks.planner import (
 )
 
 __all__ = ["FULL_TURNS", "QUICK_TURNS", "FleetRun", "ModelsPoller", "TurnsPlan", "fleet_flags", "make_workload",
-           "plot", "run_fleet", "run_planner_half", "summarize_planner", "summarize_static"]
+           "plot", "run_fleet", "run_planner_half", "summarize_planner", "summarize_static", "worker_starts"]
 
 LOAD_WINDOW_S = 5.0  # the offered load as the picture draws it
 
@@ -169,6 +173,7 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
         "send_lag_p99_real_ms": percentile(lags, 99), "server_cpu_cores": run.server_cpu_cores,
         "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s, "load_avg_1m_after": run.load_avg_1m_after,
         "num_missed": len(met) - sum(met), "requeues": run.requeues,
+        "num_missed_ttft": sum(not t for t, _ in met_pairs), "num_missed_itl": sum(not i for _, i in met_pairs),
     }
 
 
@@ -191,9 +196,27 @@ def summarize_static(run: FleetRun, trace: TurnsTrace, names: Sequence[str], siz
     return summary
 
 
-def summarize_planner(run: FleetRun, trace: TurnsTrace, names: Sequence[str], window_s: float) -> dict[str, Any]:
-    """`_common_summary`, and the planner's worker-seconds (all, and per model), scale events and largest
-    fleet per model, the samples and the decisions."""
+def worker_starts(samples: Sequence[tuple[float, Mapping[str, Mapping[str, int]], Any]], names: Sequence[str],
+                  bumps: Sequence[tuple[float, float]] = ()) -> tuple[dict[str, int], int]:
+    """Per model, the workers its targets added from one polled sample to the next (each a worker start,
+    whether or not it came to serve), and how many of all of them a model added outside its bump (`bumps`,
+    by model index: its trickle's)."""
+    by_model = dict.fromkeys(names, 0)
+    outside = 0
+    for (_, before, _), (t_s, after, _) in itertools.pairwise(samples):
+        for m, name in enumerate(names):
+            added = sum(max(0, n - before.get(name, {}).get(pool, n)) for pool, n in after.get(name, {}).items())
+            by_model[name] += added
+            if m < len(bumps) and not bumps[m][0] <= t_s <= bumps[m][1]:
+                outside += added
+    return by_model, outside
+
+
+def summarize_planner(run: FleetRun, trace: TurnsTrace, names: Sequence[str], window_s: float,
+                      bumps: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
+    """`_common_summary`, and the planner's worker-seconds (all, and per model), scale events, worker starts
+    (all, per model, and outside the models' `bumps`) and largest fleet per model, the samples and the
+    decisions."""
     summary = _common_summary(run, trace, names, window_s)
     serving_by_model = {name: [(t_s, sum(serving.get(name, {}).values())) for t_s, _, serving in run.samples]
                         for name in names}
@@ -203,6 +226,9 @@ def summarize_planner(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wi
     summary["worker_s_by_model"] = worker_s_by_model
     summary["scale_events_by_model"] = {
         name: scale_events([targets.get(name, {}) for _, targets, _ in run.samples]) for name in names}
+    starts_by_model, summary["worker_starts_outside_bumps"] = worker_starts(run.samples, names, bumps)
+    summary["worker_starts_by_model"] = starts_by_model
+    summary["worker_starts"] = sum(starts_by_model.values())
     summary["max_serving_by_model"] = {
         name: {pool: max((s.get(name, {}).get(pool, 0) for _, _, s in run.samples), default=0) for pool in POOLS}
         for name in names}
@@ -339,14 +365,16 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
     for label in fleets:
         log(f"{label}: replaying {trace.duration_s:.0f} s of models taking turns")
         run = run_fleet(label, flags[label], workload, poll=label == "planner", log_dir=log_dir)
-        summary = (summarize_planner(run, trace, names, plan.attainment_window_s) if label == "planner"
+        bumps = [bump_s(plan.shape, m) for m in range(len(names))]
+        summary = (summarize_planner(run, trace, names, plan.attainment_window_s, bumps) if label == "planner"
                    else summarize_static(run, trace, names, sizing, plan.attainment_window_s))
         summary["flags"] = [f for f in flags[label] if not f.startswith("/")]
         summaries[label] = summary
         log(f"{label}: attainment {summary['attainment']:.3f} (TTFT {summary['ttft_attainment']:.3f}, ITL "
             f"{summary['itl_attainment']:.3f}), {summary['worker_s']:.0f} worker-s, "
             f"{summary['server_cpu_cores']:.2f} cores, send lag p99 {summary['send_lag_p99_real_ms'] or 0:.0f} ms, "
-            f"load average {summary['load_avg_1m_after']:.1f}, {summary['num_missed']} missed, "
+            f"load average {summary['load_avg_1m_after']:.1f}, {summary['num_missed']} missed "
+            f"({summary['num_missed_ttft']} TTFT, {summary['num_missed_itl']} mean ITL), "
             f"{summary['requeues']} requeued")
     result = _half_result(plan, trace, sizing, summaries)
     result["png_planner"] = None

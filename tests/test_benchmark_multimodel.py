@@ -23,6 +23,7 @@ from benchmarks._multimodel_planner import (
     fleet_flags,
     summarize_planner,
     summarize_static,
+    worker_starts,
 )
 from benchmarks._multimodel_trace import (
     TurnsShape,
@@ -201,6 +202,7 @@ def test_worker_seconds_attainment_and_scale_events_per_model() -> None:
     assert planner["worker_s_by_model"] == {"model-00": 4 + 9 + 6, "model-01": 10 + 9}
     assert planner["worker_s"] == 38
     assert planner["scale_events_by_model"] == {"model-00": {"prefill": 1}, "model-01": {"prefill": 1}}
+    assert planner["worker_starts_by_model"] == {"model-00": 0, "model-01": 1} and planner["worker_starts"] == 1
     assert planner["max_serving_by_model"]["model-01"] == {"prefill": 2, "decode": 1}
     assert planner["attainment"] == pytest.approx(60 / 61)
     assert planner["attainment_by_model"] == {"model-00": 1.0, "model-01": pytest.approx(20 / 21)}
@@ -219,6 +221,17 @@ def test_a_request_misses_the_slo_on_mean_itl_or_an_error() -> None:
     summary = summarize_planner(run, trace, ["model-00"], window_s=1.0)
     assert summary["attainment"] == pytest.approx(1 / 3)
     assert summary["ttft_attainment"] == pytest.approx(2 / 3) and summary["num_errors"] == 1
+    assert (summary["num_missed_ttft"], summary["num_missed_itl"], summary["num_missed"]) == (1, 2, 2)
+
+
+def test_worker_starts_count_what_the_targets_added_and_the_trickles_apart() -> None:
+    one, three = {"prefill": 1, "decode": 1}, {"prefill": 3, "decode": 2}
+    samples = [(0.0, {"a": one, "b": one}, {}), (1.0, {"a": three, "b": one}, {}),
+               (2.0, {"a": one, "b": {"prefill": 2, "decode": 1}}, {}), (3.0, {"a": three, "b": one}, {})]
+    by_model, outside = worker_starts(samples, ["a", "b"], bumps=[(0.0, 1.5), (0.0, 10.0)])
+    assert by_model == {"a": 6, "b": 1}  # a: +3 at 1 s, +3 at 3 s; b: +1 at 2 s; shrinks start nothing
+    assert outside == 3  # a's second rise, after its bump
+    assert worker_starts(samples, ["a", "b"]) == (by_model, 0)
 
 
 # ---- the poller --------------------------------------------------------------------------------------------
