@@ -13,20 +13,25 @@ from dynserve.workers.http_client import HttpPool
 
 class _SseServer:
     """Answers every POST with a chunked SSE stream of two events and `[DONE]`; counts connections. A request
-    path of `/close` answers with `connection: close` (and closes after it)."""
+    path of `/close` answers with `connection: close` (and closes after it). With `drop_second`, the second
+    request on a connection is read and the connection closed unanswered: what a client sees when it sends on
+    a kept-alive connection just as the server's idle timeout closes it."""
 
-    def __init__(self) -> None:
+    def __init__(self, drop_second: bool = False) -> None:
         self.connections = 0
         self.port = 0
+        self.drop_second = drop_second
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            while True:
+            for number in range(1, 1000):
                 head = await reader.readuntil(b"\r\n\r\n")
                 length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 await reader.readexactly(length)
+                if self.drop_second and number == 2:
+                    break
                 close = head.startswith(b"POST /close ")
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
                              + (b"connection: close\r\n" if close else b"") + b"\r\n")
@@ -100,3 +105,32 @@ def test_a_stream_cut_short_or_marked_close_takes_its_connection_down() -> None:
     assert idle_after_close == 0
     # 1: cut short; 2: a new one, kept and reused for /close; 3: after the server closed it
     assert connections == 3
+
+
+def test_connections_the_server_closed_while_idle_cost_a_resend_not_a_request() -> None:
+    async def scenario() -> tuple[int, list[bytes]]:
+        async with _SseServer(drop_second=True).running() as server:
+            pool = HttpPool("127.0.0.1", server.port)
+            await asyncio.gather(*(_stream(pool) for _ in range(3)))  # three idle connections, each to be dropped
+            lines = await _stream(pool)  # the first idle one fails: sent again on a new one, not another idle
+            pool.close()
+            return server.connections, lines
+
+    connections, lines = asyncio.run(scenario())
+    assert lines[-1] == b"data: [DONE]"
+    assert connections == 4
+
+
+def test_an_idle_connection_older_than_the_servers_keep_alive_is_not_used() -> None:
+    async def scenario() -> tuple[int, int]:
+        async with _SseServer().running() as server:
+            pool = HttpPool("127.0.0.1", server.port, max_idle_s=0.05)
+            await _stream(pool)
+            await _stream(pool)
+            reused = server.connections
+            await asyncio.sleep(0.1)
+            await _stream(pool)
+            pool.close()
+            return reused, server.connections
+
+    assert asyncio.run(scenario()) == (1, 2)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -49,6 +50,7 @@ class _Message:
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
+        self.idle_since_s = 0.0
 
     def close(self) -> None:
         self.writer.close()
@@ -110,6 +112,7 @@ class Response:
             return
         self._closed = True
         if self._message.keep_alive and len(self._pool._idle) < self._pool._max_idle:
+            self._conn.idle_since_s = time.monotonic()
             self._pool._idle.append(self._conn)
         else:
             self._conn.close()
@@ -124,9 +127,10 @@ class Response:
 class HttpPool:
     """Keep-alive connections to one server (host, port). One asyncio loop only."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 5.0, max_idle: int = 64) -> None:
+    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 5.0, max_idle: int = 64,
+                 max_idle_s: float = 4.0) -> None:
         self.host, self.port = host, port
-        self._connect_timeout_s, self._max_idle = connect_timeout_s, max_idle
+        self._connect_timeout_s, self._max_idle, self._max_idle_s = connect_timeout_s, max_idle, max_idle_s
         self._idle: deque[_Connection] = deque()
         self._authority = f"{host}:{port}".encode() if ":" not in host else f"[{host}]:{port}".encode()
 
@@ -159,12 +163,14 @@ class HttpPool:
     async def request(self, method: str, path: str, body: bytes = b"",
                       content_type: bytes = b"application/json") -> Response:
         """Send a request and return its response once the head has arrived. A kept-alive connection that the
-        server closed meanwhile is dropped and the request sent once more on a new one."""
+        server closed meanwhile is dropped and the request sent once more on a new connection."""
         head = (b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
                 % (method.encode(), path.encode(), self._authority, content_type, len(body)))
         for attempt in range(2):
-            reused = bool(self._idle)
-            conn = self._idle.pop() if reused else await self._open()
+            conn = self._take_idle() if attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = await self._open()
             message = _Message()
             parser = message.parser = httptools.HttpResponseParser(message)
             try:
@@ -177,6 +183,18 @@ class HttpPool:
                 raise
             return Response(self, conn, message, parser, parser.get_status_code())
         raise AssertionError("unreachable")
+
+    def _take_idle(self) -> _Connection | None:
+        """The most recently used idle connection that may still be open, or None. Servers close idle
+        keep-alive connections after a few seconds (uvicorn's default, and so vLLM's: 5 s), so one idle for
+        `max_idle_s` is dropped, as is one whose server already closed it (its FIN has arrived)."""
+        now_s = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if now_s - conn.idle_since_s < self._max_idle_s and not conn.reader.at_eof():
+                return conn
+            conn.close()
+        return None
 
     def close(self) -> None:
         while self._idle:
