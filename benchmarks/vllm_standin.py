@@ -35,7 +35,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-__all__ = ["StandinServer", "next_token", "standin_fleet"]
+__all__ = ["StandinServer", "answer_replay", "next_token", "standin_fleet"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -224,6 +224,17 @@ def build_app(standin: Standin) -> FastAPI:
     return app
 
 
+async def answer_replay(router: Any, buffer: Iterable[tuple[int, bytes]], topic: bytes = b"") -> None:
+    """Answer one replay request on a bound ZMQ ROUTER socket (`zmq.asyncio`) as vLLM's replay socket does:
+    every buffered `(seq, payload)` whose seq is at least the one asked for, then the end (seq -1)."""
+    client, _empty, start = await router.recv_multipart()
+    first = int.from_bytes(start, "big")
+    for seq, payload in list(buffer):
+        if seq >= first:
+            await router.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload))
+    await router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+
 async def _serve_replay(standin: Standin, endpoint: str) -> None:
     import zmq
     import zmq.asyncio
@@ -231,13 +242,7 @@ async def _serve_replay(standin: Standin, endpoint: str) -> None:
     router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
     router.bind(endpoint)
     while True:
-        client, _empty, start = await router.recv_multipart()
-        first = int.from_bytes(start, "big")
-        for seq, payload in list(standin.replay_buffer):
-            if seq >= first:
-                await router.send_multipart((client, b"", standin.args.topic.encode(), seq.to_bytes(8, "big"),
-                                             payload))
-        await router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
+        await answer_replay(router, standin.replay_buffer, standin.args.topic.encode())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -153,6 +153,7 @@ def test_a_relay_that_joins_late_learns_what_the_server_cached_before_it_from_th
     import zmq.asyncio
 
     from benchmarks._services import free_port
+    from benchmarks.vllm_standin import answer_replay
 
     run = _recorded()
     server = json.loads((run / "server.json").read_text())
@@ -171,14 +172,7 @@ def test_a_relay_that_joins_late_learns_what_the_server_cached_before_it_from_th
         pub.bind(pub_endpoint)
         router.bind(replay_endpoint)
 
-        async def serve_replay() -> None:  # as vLLM's replay socket answers: every buffered seq >= the asked one
-            client, _empty, start = await router.recv_multipart()
-            for seq, payload in messages:
-                if seq >= int.from_bytes(start, "big"):
-                    await router.send_multipart((client, b"", b"", seq.to_bytes(8, "big"), payload))
-            await router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
-
-        replaying = asyncio.create_task(serve_replay())
+        replaying = asyncio.create_task(answer_replay(router, messages))  # as vLLM's replay socket answers
         following = asyncio.create_task(relay.run())
         try:
             await asyncio.wait_for(replaying, 10)
