@@ -309,6 +309,43 @@ def _hits(server: Any) -> float:
     return float(re.search(r"^vllm:prefix_cache_hits_total\{[^}]*\} (\S+)$", text, re.MULTILINE).group(1))
 
 
+def test_the_channel_streams_over_one_kept_connection_per_server(standin_gateway: tuple[str, list[Any]],
+                                                                  tokenizer: Any) -> None:
+    """Each stream read to its `[DONE]` leaves its connection to the server kept for the next (a spy on the
+    channel's pool counts the connections it opens); what each stream carries is unchanged."""
+    from dynserve.protocol import GenerateRequest, SamplingParams
+    from dynserve.workers.openai_channel import OpenAIChannel
+
+    _url, servers = standin_gateway
+    channel = OpenAIChannel(msgspec.structs.replace(_info(), port=servers[0].port), tokenizer)
+    opened = []
+    open_connection = channel._pool._open
+
+    async def spy() -> Any:
+        opened.append(1)
+        return await open_connection()
+
+    channel._pool._open = spy  # type: ignore[method-assign]
+
+    async def go() -> list[list[int]]:
+        await channel.connect()
+        outputs = []
+        for i in range(5):
+            request = GenerateRequest(request_id=f"kept-{i}", token_ids=[7, 8, 9, i],
+                                      params=SamplingParams(max_tokens=4, temperature=0))
+            deltas = [delta async for delta in channel.generate(request)]
+            assert deltas[-1].finished and deltas[-1].num_prompt_tokens == 4
+            outputs.append([t for d in deltas for t in d.token_ids])
+            for _ in range(5):  # the chunked end may be read in the background
+                await asyncio.sleep(0.002)
+        await channel.close()
+        return outputs
+
+    outputs = asyncio.run(go())
+    assert [len(tokens) for tokens in outputs] == [4] * 5
+    assert len(opened) == 1
+
+
 def test_attaching_waits_for_a_server_still_starting_and_gives_up_naming_the_wait() -> None:
     """A sidecar's `dynctl attach` starts beside a server still loading its model: it waits for the server
     to answer, saying so, and after `attach_wait_s` fails naming the wait."""

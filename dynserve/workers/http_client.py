@@ -4,9 +4,15 @@ server's parser), streamed bodies read as they arrive, chunked or not. It does w
 needs and no more (no redirects, TLS, cookies, proxies); general HTTP clients cost milliseconds per request
 in Python that a gateway in front of a worker cannot spend.
 
-Invariants: a connection goes back to the pool only after its response was read to the end and the server
-kept it alive; a response closed early (an aborted stream) closes its connection, which is how the server
-learns of the abort. Every failure to connect, send or read is a `ConnectionError`.
+Invariants:
+- a connection goes back to the pool only after its response was read to the end and the server kept it
+  alive; a response closed early (an aborted stream, a request cancelled before its head came) closes its
+  connection, which is how the server learns of the abort;
+- an idle connection is used again only while it is younger than `max_idle_s` (under the servers' own idle
+  timeouts: uvicorn's, and so vLLM's, is 5 s) and its server has not closed it; a request whose kept
+  connection turns out closed before any answer came is sent once more, on a new connection (a server that
+  had read it saw its connection go, which aborts it there);
+- every failure to connect, send or read is a `ConnectionError`.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import contextlib
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httptools
 
@@ -24,13 +30,13 @@ __all__ = ["HttpPool", "Response"]
 
 
 class _Message:
-    """httptools' callbacks for one response."""
+    """httptools' callbacks for one response, and its parser."""
 
     def __init__(self) -> None:
         self.headers: dict[bytes, bytes] = {}
         self.body: deque[bytes] = deque()
         self.headers_done = self.done = self.keep_alive = False
-        self.parser: httptools.HttpResponseParser | None = None
+        self.parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.lower()] = value
@@ -45,19 +51,21 @@ class _Message:
 
     def on_message_complete(self) -> None:
         self.done = True
+        self.parser = None  # no cycle left for the garbage collector (the reader keeps its own reference)
 
 
 class _Connection:
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.idle_since_s = 0.0
+        self.idle_since_s: float | None = None  # set while it waits in the pool
 
     def close(self) -> None:
         self.writer.close()
 
 
 class Response:
-    """A response whose head has arrived; read its body with `chunks`, `lines` or `read`, or `close` it."""
+    """A response whose head has arrived; read its body with `chunks`, `lines` or `read`, then `finish` or
+    `close` it."""
 
     def __init__(self, pool: HttpPool, conn: _Connection, message: _Message, parser: httptools.HttpResponseParser,
                  status: int) -> None:
@@ -89,31 +97,29 @@ class Response:
     async def read(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
 
-    async def drain(self, timeout_s: float = 1.0) -> None:
-        """Read and drop the rest of the body (a stream whose last event has come), so its connection can be
-        kept; a body that does not end within `timeout_s` is closed instead."""
+    def finish(self) -> None:
+        """Done with a body whose last event has come (an SSE stream's `[DONE]`): what is left of it (a
+        chunked body's end) is read and dropped, at once when it is here, else by a task of the pool's, and
+        the connection kept; closed instead when the server does not keep it alive (a body it ends by
+        closing), or the rest fails or takes over the pool's `finish_timeout_s`. Never raises or waits."""
+        if self._closed:
+            return
+        self._closed = True
         message = self._message
         message.body.clear()
-        if message.done:
-            self._release()
-            return
-        try:
-            async with asyncio.timeout(timeout_s):
-                while not message.done:
-                    await self._pool._fill(self._conn, self._parser)
-        except TimeoutError:
-            self.close()
-            return
-        message.body.clear()
-        self._release()
+        if not message.keep_alive:
+            self._conn.close()
+        elif message.done:
+            self._pool._keep(self._conn)
+        else:
+            self._pool._finish_later(self._conn, message, self._parser)
 
     def _release(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._message.keep_alive and len(self._pool._idle) < self._pool._max_idle:
-            self._conn.idle_since_s = time.monotonic()
-            self._pool._idle.append(self._conn)
+        if self._message.keep_alive:
+            self._pool._keep(self._conn)
         else:
             self._conn.close()
 
@@ -128,11 +134,20 @@ class HttpPool:
     """Keep-alive connections to one server (host, port). One asyncio loop only."""
 
     def __init__(self, host: str, port: int, *, connect_timeout_s: float = 5.0, max_idle: int = 64,
-                 max_idle_s: float = 4.0) -> None:
+                 max_idle_s: float = 4.0, finish_timeout_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.host, self.port = host, port
         self._connect_timeout_s, self._max_idle, self._max_idle_s = connect_timeout_s, max_idle, max_idle_s
-        self._idle: deque[_Connection] = deque()
+        self._finish_timeout_s, self._clock = finish_timeout_s, clock
+        self._idle: deque[_Connection] = deque()  # the oldest on the left
+        self._finishing: set[asyncio.Task[None]] = set()
+        self._closed = False
         self._authority = f"{host}:{port}".encode() if ":" not in host else f"[{host}]:{port}".encode()
+
+    @property
+    def num_idle(self) -> int:
+        """Connections waiting in the pool now (some may have expired: they go when next looked at)."""
+        return len(self._idle)
 
     async def _open(self) -> _Connection:
         try:
@@ -162,8 +177,8 @@ class HttpPool:
 
     async def request(self, method: str, path: str, body: bytes = b"",
                       content_type: bytes = b"application/json") -> Response:
-        """Send a request and return its response once the head has arrived. A kept-alive connection that the
-        server closed meanwhile is dropped and the request sent once more on a new connection."""
+        """Send a request and return its response once the head has arrived (see the module's invariants
+        for kept connections that turn out closed)."""
         head = (b"%s %s HTTP/1.1\r\nhost: %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
                 % (method.encode(), path.encode(), self._authority, content_type, len(body)))
         for attempt in range(2):
@@ -172,31 +187,79 @@ class HttpPool:
             if conn is None:
                 conn = await self._open()
             message = _Message()
-            parser = message.parser = httptools.HttpResponseParser(message)
+            parser = message.parser
+            assert parser is not None
             try:
                 conn.writer.write(head + body)
                 while not message.headers_done:
                     await self._fill(conn, parser)
             except ConnectionError:
-                if reused and attempt == 0:  # a stale keep-alive connection: nothing reached the server
+                if reused:  # the kept connection was closed under it, before any answer: once more, on a new one
                     continue
+                raise
+            except BaseException:  # cancelled while waiting for the head: the server must see the request go
+                conn.close()
                 raise
             return Response(self, conn, message, parser, parser.get_status_code())
         raise AssertionError("unreachable")
 
+    def _usable(self, conn: _Connection, now_s: float) -> bool:
+        """Young enough, and its server has not closed it (a FIN or a reset has not arrived)."""
+        assert conn.idle_since_s is not None
+        return (now_s - conn.idle_since_s < self._max_idle_s and not conn.reader.at_eof()
+                and conn.reader.exception() is None)
+
+    def _expire(self, now_s: float) -> None:
+        """Close the idle connections past `max_idle_s`, oldest first (they sit in the order they came)."""
+        idle = self._idle
+        while idle and not self._usable(idle[0], now_s):
+            idle.popleft().close()
+
     def _take_idle(self) -> _Connection | None:
-        """The most recently used idle connection that may still be open, or None. Servers close idle
-        keep-alive connections after a few seconds (uvicorn's default, and so vLLM's: 5 s), so one idle for
-        `max_idle_s` is dropped, as is one whose server already closed it (its FIN has arrived)."""
-        now_s = time.monotonic()
+        """The most recently used idle connection that is still usable, or None."""
+        now_s = self._clock()
+        self._expire(now_s)
         while self._idle:
             conn = self._idle.pop()
-            if now_s - conn.idle_since_s < self._max_idle_s and not conn.reader.at_eof():
+            if self._usable(conn, now_s):
+                conn.idle_since_s = None
                 return conn
             conn.close()
         return None
 
+    def _keep(self, conn: _Connection) -> None:
+        """A connection whose response was read to its end, kept alive by its server: idle in the pool."""
+        now_s = self._clock()
+        self._expire(now_s)
+        if self._closed or len(self._idle) >= self._max_idle:
+            conn.close()
+            return
+        conn.idle_since_s = now_s
+        self._idle.append(conn)
+
+    def _finish_later(self, conn: _Connection, message: _Message, parser: httptools.HttpResponseParser) -> None:
+        task = asyncio.get_running_loop().create_task(self._read_to_end(conn, message, parser))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _read_to_end(self, conn: _Connection, message: _Message, parser: httptools.HttpResponseParser) -> None:
+        try:
+            async with asyncio.timeout(self._finish_timeout_s):
+                while not message.done:
+                    await self._fill(conn, parser)
+                    message.body.clear()
+        except (TimeoutError, ConnectionError):
+            conn.close()
+            return
+        except asyncio.CancelledError:
+            conn.close()
+            raise
+        self._keep(conn)
+
     def close(self) -> None:
+        self._closed = True
+        for task in list(self._finishing):
+            task.cancel()
         while self._idle:
             with contextlib.suppress(Exception):
                 self._idle.pop().close()

@@ -258,9 +258,9 @@ class OpenAIChannel:
                 if not line.startswith(b"data: "):
                     continue
                 if line == b"data: [DONE]":
-                    # the body's end follows at once: read it, so the connection goes back to the pool
-                    # (closed mid-body, every request would pay a new connection, here and at the server)
-                    await response.drain()
+                    # the body's end follows: read it, so the connection goes back to the pool (closed
+                    # mid-body, every request would pay a new connection, here and at the server)
+                    response.finish()
                     break
                 delta = state.chunk(_CHUNK.decode(line[6:]))
                 if delta is None:
