@@ -169,7 +169,12 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
         "errors": sorted({r.error for r in run.results if r.error})[:5],
         "ttft_p50_ms": percentile(ttfts, 50), "ttft_p95_ms": percentile(ttfts, 95),
         "mean_itl_p50_ms": percentile(itls, 50), "mean_itl_p95_ms": percentile(itls, 95),
-        "ttft_p95_ms_by_window": _p95_by_window(trace, run.results, window_s),
+        "ttft_p95_ms_by_window": _by_window(
+            trace, [None if r.ttft_s is None else r.ttft_s * 1e3 for r in run.results], window_s, 95),
+        # the client's lateness by window: where it is high the machine, not the fleet, was behind
+        "send_lag_p99_ms_by_window": _by_window(
+            trace, [None if r.sent_s is None else (r.sent_s - r.scheduled_s) * 1e3 for r in run.results],
+            window_s, 99),
         "send_lag_p99_real_ms": percentile(lags, 99), "server_cpu_cores": run.server_cpu_cores,
         "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s, "load_avg_1m_after": run.load_avg_1m_after,
         "num_missed": len(met) - sum(met), "requeues": run.requeues,
@@ -177,14 +182,16 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
     }
 
 
-def _p95_by_window(trace: TurnsTrace, results: Sequence[StreamedCompletion], window_s: float) -> list[float | None]:
-    """The TTFT p95 (ms) of the requests arriving in each window of `window_s` (None: none completed)."""
+def _by_window(trace: TurnsTrace, values_ms: Sequence[float | None], window_s: float, q: float
+               ) -> list[float | None]:
+    """The `q`th percentile of `values_ms` (one per request, None: none) of the requests arriving in each
+    window of `window_s` (None: no value in the window)."""
     num_windows = max(1, math.ceil(trace.duration_s / window_s - 1e-9))
-    ttfts: list[list[float]] = [[] for _ in range(num_windows)]
-    for request, result in zip(trace.requests, results, strict=True):
-        if result.ttft_s is not None:
-            ttfts[min(num_windows - 1, int(request.timestamp_s // window_s))].append(result.ttft_s * 1e3)
-    return [round(p, 1) if (p := percentile(values, 95)) is not None else None for values in ttfts]
+    by_window: list[list[float]] = [[] for _ in range(num_windows)]
+    for request, value in zip(trace.requests, values_ms, strict=True):
+        if value is not None:
+            by_window[min(num_windows - 1, int(request.timestamp_s // window_s))].append(value)
+    return [round(p, 1) if (p := percentile(values, q)) is not None else None for values in by_window]
 
 
 def summarize_static(run: FleetRun, trace: TurnsTrace, names: Sequence[str], sizing: Sizing,

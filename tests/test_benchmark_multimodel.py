@@ -224,6 +224,20 @@ def test_a_request_misses_the_slo_on_mean_itl_or_an_error() -> None:
     assert (summary["num_missed_ttft"], summary["num_missed_itl"], summary["num_missed"]) == (1, 2, 2)
 
 
+def test_the_send_lag_and_ttft_are_read_by_window() -> None:
+    trace = TurnsTrace(tuple(TraceRequest(t_ms, 3000, 10) for t_ms in (0, 500, 1500)), (0, 0, 0), duration_s=2.0,
+                       num_models=1)
+    late = StreamedCompletion(0.5, sent_s=0.9, chunk_times_s=[1.0 + 0.02 * i for i in range(10)],
+                              chunk_num_tokens=[1] * 10)  # sent 400 ms late; its first token 100 ms after
+    unsent = StreamedCompletion(1.5, error="connection refused")
+    run = FleetRun([_completion(0.3, 0.02), late, unsent], ready_s=1.0, replay_wall_s=2.0, server_cpu_cores=1.0)
+    summary = summarize_planner(run, trace, ["model-00"], window_s=1.0)
+    assert summary["send_lag_p99_ms_by_window"][1] is None  # nothing was sent in the second second
+    assert 390 < summary["send_lag_p99_ms_by_window"][0] <= 400
+    # TTFT from when each was sent: 300 ms and 100 ms
+    assert 100 < summary["ttft_p95_ms_by_window"][0] <= 300 and summary["ttft_p95_ms_by_window"][1] is None
+
+
 def test_worker_starts_count_what_the_targets_added_and_the_trickles_apart() -> None:
     one, three = {"prefill": 1, "decode": 1}, {"prefill": 3, "decode": 2}
     samples = [(0.0, {"a": one, "b": one}, {}), (1.0, {"a": three, "b": one}, {}),
