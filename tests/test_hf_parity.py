@@ -126,10 +126,15 @@ def test_bf16_logits_stay_near_hf_fp32_and_pick_its_tokens(bf16_logits, hf_last_
             top2 = ref.topk(2).values
             if top2[0] - top2[1] > 2 * BF16_LOGIT_ATOL:  # a clear winner must stay the winner
                 assert ours.argmax() == ref.argmax(), f"{name}, prompt {i}"
-    # the native kernels (fp32 sums, one rounding per result) are no less accurate than eager bf16
-    native_err = max((o - r).abs().max().item() for o, r in zip(bf16_logits["native-bf16"], hf_last_logits, strict=True))
-    torch_err = max((o - r).abs().max().item() for o, r in zip(bf16_logits["torch"], hf_last_logits, strict=True))
-    assert native_err <= 1.25 * torch_err, (native_err, torch_err)
+    # the native linears (fp32 sums, one rounding per result) are no less accurate than eager bf16; a CPU
+    # without AVX512-BF16 runs torch's linears on the native path too, and only the tolerance above holds
+    from dynserve.engine.kernels import cpu_native
+
+    if cpu_native.load().has_avx512_bf16():
+        native_err = max((o - r).abs().max().item()
+                         for o, r in zip(bf16_logits["native-bf16"], hf_last_logits, strict=True))
+        torch_err = max((o - r).abs().max().item() for o, r in zip(bf16_logits["torch"], hf_last_logits, strict=True))
+        assert native_err <= 1.25 * torch_err, (native_err, torch_err)
 
 
 def test_bf16_decode_steps_choose_what_hf_fp32_ranks_top_within_tolerance(bf16_logits, hf_model, prompts) -> None:  # type: ignore[no-untyped-def]

@@ -410,14 +410,17 @@ def test_a_standin_killed_mid_stream_migrates_and_the_text_is_the_undisturbed_on
     url, servers = standin_gateway
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     prompt = "A long story: " + "and then " * 20
-    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0).choices[0].text
-    before = [_running_total(s) for s in servers]
+    # 160 tokens at the stand-in's 3 ms a step: the stream is still running when a client that lags its
+    # server by up to 0.4 s (a loaded machine) has read 5 pieces
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=160, temperature=0).choices[0].text
+    before = [_admitted_tokens(s) for s in servers]
     pieces, killed = [], False
-    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True):
+    for chunk in client.completions.create(model=MODEL, prompt=prompt, max_tokens=160, temperature=0, stream=True):
         if chunk.choices and chunk.choices[0].text:
             pieces.append(chunk.choices[0].text)
-        if len(pieces) == 5 and not killed:
-            busy = next(s for s, b in zip(servers, before, strict=True) if _running_total(s) > b)
+        if len(pieces) == 5 and not killed:  # the server that admitted the stream
+            busy = next(s for s, b in zip(servers, before, strict=True) if _admitted_tokens(s) > b)
+            assert _running_total(busy) == 1
             busy.process.kill()
             killed = True
     assert killed and "".join(pieces) == whole
@@ -466,6 +469,12 @@ def test_any_openai_server_serves_text_in_and_out_with_approximate_routing(
         assert answer.usage.prompt_tokens == len(tokenizer.encode("Tell me"))
     finally:
         stop_by_sigint(process)
+
+
+def _admitted_tokens(server: Any) -> float:
+    """The prompt tokens the server has admitted (its prefix cache's queries): grows when a request starts."""
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    return float(re.search(r"^vllm:prefix_cache_queries_total\{[^}]*\} (\S+)$", text, re.MULTILINE).group(1))
 
 
 def _running_total(server: Any) -> float:
