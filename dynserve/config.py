@@ -384,6 +384,9 @@ class Settings(BaseSettings):
     planner_down_delay_s: float | None = Field(None, ge=0, description="how long a lower need must hold before a "
                                                "pool shrinks; default: three intervals",
                                                json_schema_extra=_PLANNER)
+    planner_rise_spare_workers: int = Field(1, ge=0, description="the sla mode: workers a prefilling pool keeps "
+                                            "over its need while its rate rises (a worker decided now serves "
+                                            "only after its start); 0: none", json_schema_extra=_PLANNER)
     planner_kubernetes: str | None = Field(
         None, description="NAMESPACE/NAME of the DynServeDeployment this fleet is (the operator sets it): the "
         "planner scales its DynServePools through their scale subresource instead of the Ray pools, and takes "

@@ -329,6 +329,25 @@ def _decide_all(config: PlannerConfig, rates: list[float], isls: list[float] | N
     return decisions
 
 
+def test_the_rise_spare_is_a_serve_flag_and_an_environment_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dynserve.cli.main import _build_parser
+    from dynserve.cli.options import settings_from
+    from dynserve.cli.planning import planner_config
+    from dynserve.errors import InvalidRequestError
+
+    def spare(*flags: str) -> int:
+        flags = ("serve", "--planner", "--planner-mode", "sla", *flags)
+        settings = settings_from(_build_parser().parse_args(flags))
+        return planner_config(settings).rise_spare_workers
+
+    assert spare() == PlannerConfig().rise_spare_workers == 1
+    assert spare("--planner-rise-spare-workers", "0") == 0
+    monkeypatch.setenv("DYN_PLANNER_RISE_SPARE_WORKERS", "2")
+    assert spare() == 2
+    with pytest.raises(InvalidRequestError, match="--planner-rise-spare-workers: Input should be greater than"):
+        spare("--planner-rise-spare-workers", "-1")
+
+
 def test_a_rise_gets_a_spare_prefill_worker_and_a_flat_load_gives_it_back() -> None:
     """While the rate rises a prefill pool holds one worker over its need (its next worker serves only after a
     start, and a rise's next step may come first); decode pools get none; once the load is flat the spare

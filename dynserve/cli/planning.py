@@ -60,7 +60,8 @@ def planner_config(settings: Settings) -> PlannerConfig:
                      "decode": settings.planner_max_decode_workers},
         max_total_workers=settings.planner_max_total_workers, idle_s=settings.planner_idle_s,
         predictor=settings.planner_predictor, read_window_s=settings.planner_window_s,
-        start_s=settings.planner_start_s, down_delay_s=settings.planner_down_delay_s)
+        start_s=settings.planner_start_s, down_delay_s=settings.planner_down_delay_s,
+        rise_spare_workers=settings.planner_rise_spare_workers)
 
 
 def _profile(settings: Settings) -> Any:
