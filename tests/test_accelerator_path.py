@@ -184,8 +184,10 @@ def test_engine_generates_the_same_tokens_through_the_decode_graphs(tiny_llama_d
     requests finish, so several buckets and padding) equals the CPU path's; so do seeded samples."""
     from dynserve.protocol import SamplingParams
 
-    prompts = [[(7 * i + j) % 300 for j in range(5 + 6 * i)] for i in range(5)]
-    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0, ignore_eos=True) for i in range(5)]
+    # 3 to 11 tokens over blocks of 4; 3 to 11 new: decode batches of 5, 4, 3, 2, 1 (buckets 8, 4, 4, 2, 1),
+    # each sequence crossing block boundaries as it grows
+    prompts = [[(7 * i + j) % 300 for j in range(3 + 2 * i)] for i in range(5)]
+    params = [SamplingParams(max_tokens=3 + 2 * i, temperature=0, ignore_eos=True) for i in range(5)]
     plain = make_engine(tiny_llama_dir)
     with_graphs = make_engine(tiny_llama_dir)
     with_graphs.runner.graphs = eager_graphs(with_graphs, [1, 2, 4, 8])
