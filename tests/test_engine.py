@@ -19,11 +19,34 @@ def _text_of_tokens(tokenizer, n: int, seed: int = 0) -> list[int]:  # type: ign
     return ids[:n]
 
 
-def test_prefix_cache_computes_only_new_tokens(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def make_tiny_engine():  # type: ignore[no-untyped-def]
+    """Engines over a tiny random-weight Llama with the real model's vocabulary (`tests/_tiny_models.py`), for
+    what holds for any weights: which tokens are computed, cached, preempted and recomputed, in what chunks.
+    A greedy token of its flat 49,152-way logits moves with any change to a sequence's cache or positions: a
+    recompute after preemption that skips 8 tokens, or a chunk boundary that skips one prompt token, changes
+    its tokens and left the real model's greedy 24 unchanged. A step costs milliseconds, not the real model's
+    50-ms decode over 135M weights (`make_tiny_engine(...)` takes `make_engine`'s settings)."""
+    from _tiny_models import tiny_model
+
+    from dynserve.config import Settings
+    from dynserve.engine.llm_engine import LLMEngine, load_model
+
+    path = str(tiny_model("llama"))
+    loaded = load_model(Settings(model=path, dtype="float32", device="cpu"))
+
+    def factory(**overrides):  # type: ignore[no-untyped-def]
+        settings = Settings(**{"model": path, "dtype": "float32", "device": "cpu", "kv_blocks": 512, **overrides})
+        return LLMEngine(settings, loaded=loaded)
+
+    return factory
+
+
+def test_prefix_cache_computes_only_new_tokens(make_tiny_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
     prefix = _text_of_tokens(tokenizer, 256)
     first = prefix + tokenizer.encode(" First question: what is a block?")
     second = prefix + tokenizer.encode(" Second question: why does the router care?")
-    engine = make_engine()
+    engine = make_tiny_engine()
     engine.generate([first], GREEDY)
     before = engine.stats.num_computed_prompt_tokens
     result = engine.generate([second], GREEDY)[0]
@@ -32,16 +55,16 @@ def test_prefix_cache_computes_only_new_tokens(make_engine, tokenizer) -> None: 
     assert computed == len(second) - 256
     engine.block_manager.check_integrity()
 
-    uncached = make_engine(enable_prefix_caching=False).generate([second], GREEDY)[0]
+    uncached = make_tiny_engine(enable_prefix_caching=False).generate([second], GREEDY)[0]
     assert result.token_ids == uncached.token_ids
 
 
-def test_preemption_keeps_greedy_outputs(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_preemption_keeps_greedy_outputs(make_tiny_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
     prompts = [_text_of_tokens(tokenizer, 40 + 9 * i, seed=i) for i in range(8)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    reference = make_engine(kv_blocks=512).generate(prompts, params)
+    reference = make_tiny_engine(kv_blocks=512).generate(prompts, params)
     # each request ends with 4-8 blocks; 8 of them need ~48, the cache holds 24
-    small = make_engine(kv_blocks=24)
+    small = make_tiny_engine(kv_blocks=24)
     constrained = small.generate(prompts, params)
     assert small.stats.num_preemptions > 0
     assert [r.token_ids for r in constrained] == [r.token_ids for r in reference]
@@ -50,10 +73,10 @@ def test_preemption_keeps_greedy_outputs(make_engine, tokenizer) -> None:  # typ
     assert small.block_manager.num_used_blocks == 0
 
 
-def test_chunked_prefill_matches_one_shot(make_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_chunked_prefill_matches_one_shot(make_tiny_engine, tokenizer) -> None:  # type: ignore[no-untyped-def]
     prompts = [_text_of_tokens(tokenizer, 300), _text_of_tokens(tokenizer, 50, seed=1)]
-    one_shot = make_engine(max_num_batched_tokens=2048).generate(prompts, GREEDY)
-    chunked_engine = make_engine(max_num_batched_tokens=64)
+    one_shot = make_tiny_engine(max_num_batched_tokens=2048).generate(prompts, GREEDY)
+    chunked_engine = make_tiny_engine(max_num_batched_tokens=64)
     chunked = chunked_engine.generate(prompts, GREEDY)
     assert chunked_engine.stats.num_steps > one_shot[0].token_ids.__len__()  # prefill took several steps
     assert [r.token_ids for r in chunked] == [r.token_ids for r in one_shot]

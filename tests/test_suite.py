@@ -50,9 +50,11 @@ def test_tests_reaching_the_model_or_ray_are_marked_so_and_left_out_of_the_fast_
         collected: tuple[dict[str, set[str]], str]) -> None:
     markers, _ = collected
     fast = {nodeid for nodeid, names in markers.items() if not names & HEAVY}
-    # the gateway's and the engine's tests all reach the real model (through `gateway`, `make_engine`, ...)
-    assert not [n for n in fast if n.startswith(("tests/test_gateway.py", "tests/test_engine.py"))]
+    # the gateway's tests all reach the real model (through `gateway`, ...); the engine's too, but those over
+    # the tiny random-weight model (`make_tiny_engine`: its mechanics, any weights)
+    assert not [n for n in fast if n.startswith("tests/test_gateway.py")]
     assert "model" in markers["tests/test_gateway.py::test_disconnect_frees_the_workers_blocks_within_1s"]
+    assert "model" in markers["tests/test_engine.py::test_stop_strings_and_finish_reasons"]
     # the mocker's pure tests stay; the ones starting a fleet on Ray go
     assert any(n.startswith("tests/test_mocker.py") for n in fast)
     for started in ("test_dynctl_serve_mocker_answers_with_two_workers", "test_dynctl_serve_mocker_disaggregated",
