@@ -2,9 +2,10 @@
 dynserve with only the dependencies pyproject.toml declares, gives a `dynctl serve` that starts and answers.
 
 This is the one test that reaches the package registry; it installs without byte-compiling (the slow part of
-an install that proves nothing here) and serves mocker workers. Torch is not unpacked again: the fresh
-virtualenv sees this one's torch and what torch needs (and nothing else) through a `.pth` file, so pip finds
-torch installed, as it would after `make setup`'s first step, and installs everything else itself.
+an install that proves nothing here), with this virtualenv's pip (the same version), and serves mocker workers.
+Torch is not unpacked again: the fresh virtualenv sees this one's torch and what torch needs (and nothing
+else) through a `.pth` file, so pip finds torch installed, as it would after `make setup`'s first step, and
+installs everything else itself.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _pip(venv: Path, *args: str) -> None:
-    done = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
-                           "--disable-pip-version-check", *args], capture_output=True, text=True, timeout=600)
+    """pip install into `venv`, with this virtualenv's pip (the version `venv` would bundle: same Python)."""
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
+                           "--quiet", "--no-compile", "--disable-pip-version-check", *args],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
 
 
@@ -45,7 +48,10 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                                  "__pycache__", ".pytest_cache", ".hypothesis",
                                                                  "results"))
     venv = root / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    # without pip of its own (ensurepip unpacking pip and setuptools into it is 7 s here): pip runs from
+    # here, the packages it installs go into `venv`, and `venv` holds no setuptools dynserve could lean on
+    # without declaring it
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     _share_torch(venv, root / "torch-only")
     _pip(venv, str(source))
     return venv
