@@ -39,7 +39,7 @@ INTERVAL_S = 2.0
 COMMAND = [DYNCTL, "serve", "--mocker", "cpu", "--mocker-speedup", "10", "--workers", "1", "--planner",
            "--planner-interval-s", str(INTERVAL_S), "--planner-window-s", "3", "--scrape-interval-s", "1",
            "--planner-ttft-ms", "150", "--planner-itl-ms", "15", "--planner-max-workers", "4",
-           "--planner-max-total-workers", "5", "--planner-idle-s", "20", "--port", "0"]
+           "--planner-max-total-workers", "5", "--planner-idle-s", "12", "--port", "0"]
 
 
 class _Watch:
@@ -167,14 +167,20 @@ def fleet(prometheus_url: list[str], tmp_path_factory: pytest.TempPathFactory) -
             while [t.health for t in prometheus.targets()] != ["up"] * 3:  # the gateway, a worker per model
                 assert time.monotonic() < deadline_s, prometheus.targets()
                 time.sleep(0.2)
-        yield f"http://127.0.0.1:{served.port}"
+        # one request for the default model: its idle time (12 s) counts from here, not from the planner's
+        # start, however long Prometheus took (the second model's counts from the start)
+        url = f"http://127.0.0.1:{served.port}"
+        answer = httpx.post(f"{url}/v1/chat/completions", timeout=60,
+                            json={"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200, answer.text
+        yield url
     assert served.code == 0, served.rest
 
 
 def test_a_load_step_scales_up_within_3_intervals_and_idleness_scales_to_zero_and_back(fleet: str) -> None:
     watch = _Watch(fleet)
     try:
-        # the load comes at once: before the idle fleet (20 s without a request) goes to zero
+        # the load comes at once: before the idle fleet (12 s without a request) goes to zero
         watch.first(lambda target, serving: target == serving == 1, time.monotonic(), 3)
         started_s = time.monotonic()
         loaded: dict[str, list[int]] = {}
