@@ -465,6 +465,35 @@ def dynctl_serve() -> Callable[..., contextlib.AbstractContextManager[Served]]:
     return local_dynctl_serve
 
 
+@pytest.fixture(scope="session")
+@needs("fleet", "ray")
+def dynctl_serve_on_test_ray(ray_instance: Any) -> Callable[..., contextlib.AbstractContextManager[Served]]:
+    """`local_dynctl_serve` for tests where starting Ray is not the point: the fleet joins the test run's Ray
+    (`--ray-address`) in a namespace of its own (`--namespace`: its own registry and event plane, apart from
+    the session's workers and other fleets). A Ray of its own costs about 8 s of CPU here (the head's
+    dashboard and runtime-env agents, monitors, idle workers), which the saturated suite pays in wall time. On
+    the way out, the fleet's event plane (a detached actor, as on a shared cluster) is removed too."""
+    from dynserve.events.ray_plane import ACTOR_NAME, RAY_NAMESPACE
+
+    address = ray_instance.get_runtime_context().gcs_address
+    fleets = iter(range(1_000_000))
+
+    @contextlib.contextmanager
+    def serve(command: list[str], timeout_s: float, env: dict[str, str] | None = None,
+              cwd: Any = None) -> Iterator[Served]:
+        namespace = f"test-{os.getpid()}-{next(fleets)}"
+        try:
+            with local_dynctl_serve([*command, "--ray-address", address, "--namespace", namespace], timeout_s,
+                                    env, cwd) as served:
+                served.namespace = namespace
+                yield served
+        finally:
+            with contextlib.suppress(ValueError):  # the fleet never got as far as its plane
+                ray_instance.kill(ray_instance.get_actor(f"{ACTOR_NAME}-{namespace}", namespace=RAY_NAMESPACE))
+
+    return serve
+
+
 def wait_for_line(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
     """What `process` wrote to stderr up to the first line containing `marker` (it must stay alive)."""
     lines: list[str] = []
@@ -499,13 +528,14 @@ def stop_by_sigint(process: subprocess.Popen[str]) -> tuple[int, str]:
 
 @dataclass
 class Served:
-    """A `dynctl serve` started by `local_dynctl_serve`: its banner and port; after the block, its exit code
-    and the rest of its stderr."""
+    """A `dynctl serve` started by `local_dynctl_serve`: its banner, port and namespace; after the block, its
+    exit code and the rest of its stderr."""
 
     banner: str
     port: int
     code: int | None = None
     rest: str = ""
+    namespace: str = "dynserve"  # its registry and event plane's
 
 
 @contextlib.contextmanager

@@ -103,13 +103,13 @@ def test_a_cap_no_request_reaches_changes_nothing(gateway: Any) -> None:
     assert answer["usage"]["completion_tokens"] == 5 and answer["choices"][0]["finish_reason"] == "length"
 
 
-def test_dynctl_serve_drains_on_sigterm(dynctl_serve: Any, dynctl: str) -> None:
+def test_dynctl_serve_drains_on_sigterm(dynctl_serve_on_test_ray: Any, dynctl: str) -> None:
     """SIGTERM mid-stream: the listener closes at once, the stream runs to its end, the process exits 0."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # at 10x, 60 tokens take about 0.7 s: the stream is still running when the signal comes
     command = [dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "10", "--port", "0", "--shutdown-grace-s",
                "30"]
-    with dynctl_serve(command, 120, env) as served:
+    with dynctl_serve_on_test_ray(command, 120, env) as served:
         url = f"http://127.0.0.1:{served.port}/v1/completions"
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}

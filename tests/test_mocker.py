@@ -533,9 +533,9 @@ def test_standalone_mocker_serves_the_openai_client(dynctl: str) -> None:
     assert code == 0 and "stopped" in rest
 
 
-def test_dynctl_serve_mocker_answers_with_two_workers(dynctl_serve: Any, dynctl: str) -> None:
+def test_dynctl_serve_mocker_answers_with_two_workers(dynctl_serve_on_test_ray: Any, dynctl: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
+    with dynctl_serve_on_test_ray([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--workers", "2",
                        "--port", "0"], 120, env) as served:
         port = served.port
         assert "2 mocker workers" in served.banner and "profile cpu" in served.banner
@@ -546,9 +546,9 @@ def test_dynctl_serve_mocker_answers_with_two_workers(dynctl_serve: Any, dynctl:
     assert served.code == 0 and "stopped" in served.rest
 
 
-def test_dynctl_serve_mocker_disaggregated(dynctl_serve: Any, dynctl: str) -> None:
+def test_dynctl_serve_mocker_disaggregated(dynctl_serve_on_test_ray: Any, dynctl: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    with dynctl_serve([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--prefill-workers",
+    with dynctl_serve_on_test_ray([dynctl, "serve", "--mocker", "cpu", "--mocker-speedup", "20", "--prefill-workers",
                        "1", "--decode-workers", "1", "--disagg-local-prefill-tokens", "0", "--port", "0"],
                       120, env) as served:
         port = served.port

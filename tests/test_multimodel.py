@@ -24,13 +24,13 @@ SMOL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def two_models(dynctl_serve: Any, dynctl: str, redis_url: str) -> Any:
+def two_models(dynctl_serve_on_test_ray: Any, dynctl: str, redis_url: str) -> Any:
     tiny = tiny_model("llama", "hf")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     argv = [dynctl, "serve", "--model", str(default_model_path()), "--model", str(tiny), "--port", "0",
-            "--kv-blocks", "256", "--redis-url", redis_url, "--served-model-name", "smol",
+            "--kv-blocks", "256", "--worker-num-cpus", "0.5", "--redis-url", redis_url, "--served-model-name", "smol",
             "--served-model-name", f"tiny={tiny.name}"]
-    with dynctl_serve(argv, 180, env) as served:
+    with dynctl_serve_on_test_ray(argv, 180, env) as served:
         yield served, tiny.name
     assert served.code == 0 and "stopped" in served.rest
 
@@ -98,8 +98,8 @@ def test_a_model_whose_worker_joins_is_served_within_a_second_and_leaves_with_it
     third = tiny_model("qwen3", "hf")
     dynctl = str(Path(sys.executable).parent / "dynctl")
     mocker = subprocess.Popen([dynctl, "mocker", "--model", str(third), "--redis-url", redis_url, "--http-port", "0",
-                               "--speedup", "10"], stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO)})
+                               "--speedup", "10", "--namespace", served.namespace],  # the fleet's registry
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     with httpx.Client(base_url=f"http://127.0.0.1:{served.port}", timeout=30) as http:
         def listed() -> dict[str, bool]:
             return {m["id"]: m["ready"] for m in http.get("/v1/models").json()["data"]}

@@ -20,12 +20,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import psutil
 import pytest
-from conftest import local_dynctl_serve, needs
+from conftest import needs
 
 from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
@@ -62,11 +63,11 @@ def _wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5): 
 
 @pytest.fixture(scope="module")
 @needs('fleet', 'ray', 'services')
-def fleet() -> Iterator[Fleet]:
+def fleet(dynctl_serve_on_test_ray: Any) -> Iterator[Fleet]:
     command = [DYNCTL, "serve", "--mocker", "cpu", "--mocker-speedup", "4", "--prefill-workers", "1",
                "--decode-workers", "1", "--disagg-local-prefill-tokens", "32", "--prometheus",
                "--scrape-interval-s", "1", "--port", "0"]
-    with local_dynctl_serve(command, 180) as served:
+    with dynctl_serve_on_test_ray(command, 180) as served:
         url = f"http://127.0.0.1:{served.port}"
         with PrometheusClient(_prometheus_url(served.banner)) as prometheus:
             prometheus_pid = _pid_listening_on(prometheus.url.removeprefix("http://"))

@@ -22,7 +22,7 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conftest import local_dynctl_serve, needs
+from conftest import needs
 from dynserve.model.resolve import default_model_path
 from dynserve.observability.dashboards import build_all, expand_variables, panel_queries
 from dynserve.observability.promql import PrometheusClient
@@ -152,10 +152,11 @@ def prometheus_url() -> Iterator[list[str]]:
 
 @pytest.fixture(scope="module")
 @needs('fleet', 'ray', 'services')
-def fleet(prometheus_url: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def fleet(prometheus_url: list[str], tmp_path_factory: pytest.TempPathFactory,
+          dynctl_serve_on_test_ray: Any) -> Iterator[str]:
     second = tmp_path_factory.mktemp("models") / f"{SECOND}.gguf"
     second.symlink_to(default_model_path().resolve())
-    with local_dynctl_serve([*COMMAND, "--model", str(default_model_path()), "--model", str(second)],
+    with dynctl_serve_on_test_ray([*COMMAND, "--model", str(default_model_path()), "--model", str(second)],
                             180) as served:
         assert "Planner: sla mode" in served.banner and SECOND in served.banner, served.banner
         # Prometheus hands new targets to its scrapers every 5 s: the fleet is watched once all are up

@@ -489,7 +489,7 @@ def _running_total(server: Any) -> float:
 
 
 def test_dynctl_serve_engine_vllm_starts_attaches_and_replaces_its_workers(
-        dynctl: str, dynctl_serve: Any) -> None:
+        dynctl: str, dynctl_serve_on_test_ray: Any) -> None:
     import sys
 
     from dynserve.model.resolve import default_model_path
@@ -501,7 +501,7 @@ def test_dynctl_serve_engine_vllm_starts_attaches_and_replaces_its_workers(
                "--vllm-command", f"env PYTHONPATH={repo} {sys.executable} -m benchmarks.vllm_standin",
                "--vllm-args", "--decode-ms 1"]
     env = {**os.environ, "DYN_POOL_RESTART_BACKOFF_S": "0"}
-    with dynctl_serve(command, 240, env) as served:
+    with dynctl_serve_on_test_ray(command, 240, env) as served:
         url = f"http://127.0.0.1:{served.port}"
         ready = httpx.get(f"{url}/ready", timeout=10).json()
         assert len(ready["workers"]) == 1, ready
