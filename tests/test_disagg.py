@@ -1,6 +1,7 @@
 """Disaggregated prefill/decode: the prefill path decision, the engines' lease and receive life cycle, real
-pages moved between two real engines, and the whole flow through the gateway (real model over NIXL; mockers
-for fault injection and the block-leak run)."""
+pages moved between two real engines (in process, over a tiny random-weight model: any weights show a wrong
+page in their greedy tokens), and the whole flow through the gateway (real model over NIXL; mockers for
+fault injection and the block-leak run)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,27 @@ def test_prefill_path(uncached: int, queued: int, workers: int, path: str) -> No
 
 # ---- engines, in process ---------------------------------------------------------------------------------
 
+@pytest.fixture(scope="module")
+def make_tiny_engine() -> Any:
+    """Engines over one tiny random-weight Llama with the real model's vocabulary (`tests/_tiny_models.py`):
+    what these tests check (leases, receives, the pages' bytes, greedy equality) holds for any weights, and
+    a step costs milliseconds. Its embeddings are untied: a random tied model's greedy tokens repeat the last
+    one, an untied one's vary, so a decode over a wrong page shows in its tokens.
+    `make_tiny_engine(kv_blocks=64)` takes `make_engine`'s settings."""
+    from _tiny_models import tiny_model
+
+    from dynserve.engine.llm_engine import LLMEngine, load_model
+
+    path = str(tiny_model("llama", tie_word_embeddings=False))
+    loaded = load_model(Settings(model=path, dtype="float32", device="cpu"))
+
+    def factory(**overrides: Any) -> Any:
+        settings = Settings(**{"model": path, "dtype": "float32", "device": "cpu", "kv_blocks": 512, **overrides})
+        return LLMEngine(settings, loaded=loaded)
+
+    return factory
+
+
 def _prefill(engine: Any, token_ids: list[int], request_id: str, params: SamplingParams = GREEDY) -> TokenDelta:
     engine.add_request(token_ids, params, request_id, prefill_only=True)
     while not (deltas := engine.step()):
@@ -102,10 +124,10 @@ def test_mocker_engines_disaggregated_equal_aggregated() -> None:
         assert engine.block_manager.num_used_blocks == 0
 
 
-def test_real_pages_move_byte_for_byte_and_decode_equals_aggregated(make_engine: Any) -> None:
+def test_real_pages_move_byte_for_byte_and_decode_equals_aggregated(make_tiny_engine: Any) -> None:
     from dynserve.kv_transfer.tcp_backend import TcpConnector
 
-    prefill, decode, whole = make_engine(kv_blocks=128), make_engine(kv_blocks=128), make_engine(kv_blocks=128)
+    prefill, decode, whole = (make_tiny_engine(kv_blocks=128) for _ in range(3))
     settings = Settings(transfer_timeout_s=10)
     with TcpConnector("p", settings) as source, TcpConnector("d", settings) as sink:
         source.register_kv_cache(prefill.runner.kv_cache)
@@ -133,8 +155,8 @@ def test_real_pages_move_byte_for_byte_and_decode_equals_aggregated(make_engine:
         assert engine.block_manager.num_used_blocks == 0
 
 
-def test_an_abort_during_the_read_frees_the_blocks_only_after_it(make_engine: Any) -> None:
-    prefill, decode = make_engine(kv_blocks=64), make_engine(kv_blocks=64)
+def test_an_abort_during_the_read_frees_the_blocks_only_after_it(make_tiny_engine: Any) -> None:
+    prefill, decode = make_tiny_engine(kv_blocks=64), make_tiny_engine(kv_blocks=64)
     token_ids = prefill.tokenizer.encode(PROMPTS[1])
     prefilled = _prefill(prefill, token_ids, "a")
     assert prefilled.kv_handle is not None
@@ -149,18 +171,18 @@ def test_an_abort_during_the_read_frees_the_blocks_only_after_it(make_engine: An
     assert prefill.block_manager.num_used_blocks == 0 and prefill.num_leases == 0
 
 
-def test_a_handle_near_the_end_of_its_lease_is_not_read(make_engine: Any) -> None:
-    prefill, decode = make_engine(kv_blocks=64, kv_lease_s=1.0), make_engine(kv_blocks=64)
+def test_a_handle_near_the_end_of_its_lease_is_not_read(make_tiny_engine: Any) -> None:
+    prefill, decode = make_tiny_engine(kv_blocks=64, kv_lease_s=1.0), make_tiny_engine(kv_blocks=64)
     token_ids = prefill.tokenizer.encode(PROMPTS[1])
     prefilled = _prefill(prefill, token_ids, "late")
     assert prefilled.kv_handle is not None and prefilled.kv_handle.lease_ends_unix_s < time.time() + 1.0
     tokens, first = _decode(decode, token_ids, "late", prefilled, read=lambda plan: None)
     assert first.kv_fallback == "lease_expired"  # 1 s left is inside the margin: prefilled here instead
-    assert tokens == make_engine(kv_blocks=64).generate([token_ids], GREEDY)[0].token_ids
+    assert tokens == make_tiny_engine(kv_blocks=64).generate([token_ids], GREEDY)[0].token_ids
 
 
-def test_leases_end_on_their_own(make_engine: Any) -> None:
-    engine = make_engine(kv_blocks=64, kv_lease_s=0.05)
+def test_leases_end_on_their_own(make_tiny_engine: Any) -> None:
+    engine = make_tiny_engine(kv_blocks=64, kv_lease_s=0.05)
     for i in range(3):
         _prefill(engine, engine.tokenizer.encode(PROMPTS[i]), f"l{i}")
     assert engine.num_leases == 3 and engine.block_manager.num_used_blocks > 0
@@ -170,8 +192,8 @@ def test_leases_end_on_their_own(make_engine: Any) -> None:
     assert engine.num_leases == 0 and engine.block_manager.num_used_blocks == 0
 
 
-def test_a_first_token_that_ends_the_request_holds_nothing(make_engine: Any) -> None:
-    engine = make_engine(kv_blocks=64)
+def test_a_first_token_that_ends_the_request_holds_nothing(make_tiny_engine: Any) -> None:
+    engine = make_tiny_engine(kv_blocks=64)
     delta = _prefill(engine, engine.tokenizer.encode(PROMPTS[0]), "one", SamplingParams(max_tokens=1, temperature=0))
     assert delta.finish_reason == "length" and delta.kv_handle is None
     assert engine.num_leases == 0 and engine.block_manager.num_used_blocks == 0
