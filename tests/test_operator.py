@@ -43,7 +43,7 @@ DISAGG = {
     "clusterTokenSecret": {"name": "smol-cluster"},
     "router": {"mode": "kv", "overlapWeight": 4},
     "eventPlane": {"backend": "redis"},
-    "planner": {"enabled": True, "ttftMs": 400, "itlMs": 40},
+    "planner": {"enabled": True, "ttftMs": 400, "itlMs": 40, "riseSpareWorkers": 0},
     "observability": {"serviceMonitor": True},
     "env": [{"name": "DYN_KV_BLOCKS", "value": "4096"}],
 }
@@ -276,6 +276,8 @@ def test_disaggregated_children_carry_the_spec_to_the_pods() -> None:
     assert config["DYN_REDIS_URL"] == "redis://smol-redis:6379/0"
     assert config["DYN_PLANNER_KUBERNETES"] == f"{NS}/smol" and config["DYN_PROMETHEUS"] == "true"
     assert (config["DYN_PLANNER_MIN_DECODE_WORKERS"], config["DYN_PLANNER_MAX_DECODE_WORKERS"]) == ("1", "6")
+    assert config["DYN_PLANNER_RISE_SPARE_WORKERS"] == "0"  # a setting the spec gives, not its default
+    assert "DYN_PLANNER_IDLE_S" not in config  # one it leaves out: the fleet's default
     decode = _by(children, "Deployment", "smol-decode")
     pod = decode["spec"]["template"]["spec"]
     assert decode["spec"]["replicas"] == 2

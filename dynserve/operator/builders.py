@@ -142,6 +142,7 @@ def build_config(name: str, namespace: str, spec: DeploymentSpec, uid: str | Non
             "DYN_PLANNER_ITL_MS": planner.itl_ms, "DYN_PLANNER_INTERVAL_S": planner.interval_seconds,
             "DYN_PLANNER_MAX_TOTAL_WORKERS": planner.max_total_workers,
             "DYN_PLANNER_IDLE_S": planner.idle_seconds, "DYN_PLANNER_PROFILE": planner.profile,
+            "DYN_PLANNER_RISE_SPARE_WORKERS": planner.rise_spare_workers,
             "DYN_PLANNER_KUBERNETES": f"{namespace}/{name}",
         })
         for pool, pool_spec in spec.pools.items():

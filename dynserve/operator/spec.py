@@ -337,6 +337,8 @@ class PlannerSpec(_Model):
     interval_seconds: float | None = Field(None, gt=0)
     max_total_workers: int | None = Field(None, ge=1)
     idle_seconds: float | None = Field(None, gt=0, description="scale every pool to zero after this long idle")
+    rise_spare_workers: int | None = Field(None, ge=0, description="the sla mode: workers a prefilling pool "
+                                           "keeps over its need while its rate rises; 0: none")
     profile: str | None = Field(None, description="the capacity profile's shipped name")
     prometheus_url: str | None = Field(None, description="the Prometheus the planner reads; default: one the "
                                        "head pod runs, scraping the fleet")
