@@ -3,8 +3,9 @@ holds instead of prefilling them.
 
 The cost's pull credit (pure); the dispatcher's export, handle, release-once and fallbacks on scripted
 channels (a fake of our own `WorkerChannel`); the engines' export and pull life cycle on mocker engines;
-real engines pulling real pages over the TCP transfer backend from a holder process, which is killed in the
-middle of a second read: the reader prefills instead and its greedy answer is unchanged; and a mocker fleet
+real engines (over a tiny random-weight model) pulling real pages over the TCP transfer backend from a holder
+process, which is killed in the middle of a second read: the reader prefills instead and its greedy answer is
+unchanged; and a mocker fleet
 behind a real gateway, where a busy holder's prefix is pulled and counted on both sides' /metrics."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import lazy_import, needs
+from conftest import lazy_import
 from prometheus_client.parser import text_string_to_metric_families
 from test_dispatcher import Recorder, ScriptedChannel, collect, greedy, request, tokens_of
 
@@ -369,12 +370,32 @@ def _serve_pages(pipe: Connection, path: str) -> None:
     connector.close()
 
 
-@needs("model")
+@pytest.fixture(scope="module")
+def make_tiny_engine() -> Any:
+    """Engines over one tiny random-weight Llama with the real model's vocabulary (`tests/_tiny_models.py`):
+    a pull's pages and a fallback's prefill are checked against a fresh prefill's greedy tokens, which hold
+    for any weights, and a step costs milliseconds. Its embeddings are untied: a random tied model's greedy
+    tokens repeat the last one, an untied one's vary, so a wrong page shows in them.
+    `make_tiny_engine(kv_blocks=64)` takes `make_engine`'s settings."""
+    from _tiny_models import tiny_model
+
+    from dynserve.engine.llm_engine import LLMEngine, load_model
+
+    path = str(tiny_model("llama", tie_word_embeddings=False))
+    loaded = load_model(Settings(model=path, dtype="float32", device="cpu"))
+
+    def factory(**overrides: Any) -> Any:
+        settings = Settings(**{"model": path, "dtype": "float32", "device": "cpu", "kv_blocks": 512, **overrides})
+        return LLMEngine(settings, loaded=loaded)
+
+    return factory
+
+
 def test_real_pages_pulled_from_a_holder_and_a_holder_killed_mid_read_costs_a_prefill(
-        make_engine: Any, tmp_path: Any) -> None:
+        make_tiny_engine: Any, tmp_path: Any) -> None:
     from dynserve.kv_transfer.tcp_backend import TcpConnector
 
-    holder, reader, whole = make_engine(kv_blocks=24), make_engine(kv_blocks=64), make_engine(kv_blocks=64)
+    holder, reader, whole = (make_tiny_engine(kv_blocks=n) for n in (24, 64, 64))
     holder.kv_source_id, reader.kv_source_id = "h", "r"
     text = "The history of the river valley, told by the people who lived along it. " * 8
     history = holder.tokenizer.encode(text)
