@@ -1,8 +1,12 @@
-"""Migration end to end: a real model worker killed while it streams a request costs the client nothing. The
+"""Migration end to end: a model worker killed while it streams a request costs the client nothing. The
 gateway resubmits the request to another worker with the prompt plus the tokens already sent; the client's
 stream goes on with no gap and no repeat, its usage counted over both workers, and a greedy answer equals an
-undisturbed run (which needs a real model). The dispatch itself (migration limits, aborts, a decode worker
-lost after a remote prefill) is proved on scripted channels in `test_dispatcher.py`."""
+undisturbed run. The workers serve a tiny random-weight Llama with the real model's vocabulary
+(`tests/_tiny_models.py`): greedy equality holds for any weights, and with untied embeddings its greedy tokens
+vary (a random tied model's repeat the last one), so a token lost, repeated or misplaced at the migration
+changes the rest of the answer; a step costs milliseconds, so the answer is 160 tokens, still streaming when
+its worker is killed. The dispatch itself (migration limits, aborts, a decode worker lost after a remote
+prefill) is proved on scripted channels in `test_dispatcher.py`."""
 
 from __future__ import annotations
 
@@ -18,19 +22,26 @@ from conftest import needs
 from dynserve.config import Settings
 from dynserve.protocol import SamplingParams
 
-MODEL = "SmolLM2-135M-Instruct"
-PROMPT = "Here is a long story about a dragon who learned to bake bread. Once upon a time,"
-MAX_TOKENS = 40
-REAL = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1, "namespace": "migration"}
+PROMPT = "Once upon a time, a dragon learned to bake bread."
+MAX_TOKENS = 160
+TINY = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1, "namespace": "migration"}
 
 
 @pytest.fixture(scope="module")
-@needs('model')
-def workers(ray_instance: Any) -> Iterator[list[tuple[Any, Any]]]:
-    """Two real workers in their own namespace: (handle, info) each."""
+def tiny_path() -> str:
+    """The tiny model's directory (built once per machine)."""
+    from _tiny_models import tiny_model
+
+    return str(tiny_model("llama", tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="module")
+@needs("fleet")
+def workers(ray_instance: Any, tiny_path: str) -> Iterator[list[tuple[Any, Any]]]:
+    """Two workers of the tiny model in their own namespace: (handle, info) each."""
     from dynserve.workers.worker import launch_worker
 
-    settings = Settings(**REAL)
+    settings = Settings(**TINY, model=tiny_path)
     launched = [launch_worker(settings, f"mig-{i}", "both", num_cpus=0.1, publish_events=False) for i in range(2)]
     infos = ray_instance.get([ref for _handle, ref in launched], timeout=600)
     yield [(handle, info) for (handle, _ref), info in zip(launched, infos, strict=True)]
@@ -46,10 +57,11 @@ def _busy(ray: Any, candidates: list[tuple[Any, Any]]) -> Any:
     raise AssertionError("no worker is running the request")
 
 
-def _stream_killing_midway(url: str, ray: Any, candidates: list[tuple[Any, Any]]) -> tuple[str, Any]:
+def _stream_killing_midway(url: str, model: str, ray: Any,
+                           candidates: list[tuple[Any, Any]]) -> tuple[str, Any]:
     """Stream the greedy completion; after its 4th piece of text, kill the worker serving it."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+    stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
                                        stream=True, stream_options={"include_usage": True})
     pieces, usage, killed = [], None, False
     for chunk in stream:
@@ -71,24 +83,30 @@ def _migrations(url: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def undisturbed(make_engine: Any) -> str:
-    engine = make_engine(kv_blocks=256)
+def undisturbed(tiny_path: str) -> str:
+    from dynserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(Settings(**TINY, model=tiny_path))
     out = engine.generate([PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0))[0]
     assert len(out.token_ids) == MAX_TOKENS  # long enough to be cut midway
+    assert len(set(out.token_ids)) > MAX_TOKENS // 2  # varied: a token lost or repeated changes what follows
+    # every token whole characters: a worker killed while holding back half of one would lose it (by design)
+    assert not [t for t in out.token_ids if "\ufffd" in engine.tokenizer.decode([t])]
     return out.text
 
 
-def _usage_of_an_undisturbed_run(url: str) -> tuple[str, Any]:
+def _usage_of_an_undisturbed_run(url: str, model: str) -> tuple[str, Any]:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    whole = client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     return whole.choices[0].text, whole.usage
 
 
 def test_a_worker_killed_mid_stream_costs_the_client_nothing(workers: Any, make_gateway: Any, ray_instance: Any,
                                                               undisturbed: str) -> None:
-    server = make_gateway(infos=[info for _h, info in workers], namespace=REAL["namespace"])
-    whole, whole_usage = _usage_of_an_undisturbed_run(server.url)
-    text, usage = _stream_killing_midway(server.url, ray_instance, workers)
+    server = make_gateway(infos=[info for _h, info in workers], namespace=TINY["namespace"])
+    model = workers[0][1].model_id
+    whole, whole_usage = _usage_of_an_undisturbed_run(server.url, model)
+    text, usage = _stream_killing_midway(server.url, model, ray_instance, workers)
     assert text == whole == undisturbed
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole_usage.prompt_tokens, MAX_TOKENS)
     assert _migrations(server.url) == 1
