@@ -1,7 +1,7 @@
 """Disaggregated prefill/decode: the prefill path decision, the engines' lease and receive life cycle, real
 pages moved between two real engines (in process, over a tiny random-weight model: any weights show a wrong
-page in their greedy tokens), and the whole flow through the gateway (real model over NIXL; mockers for
-fault injection and the block-leak run)."""
+page in their greedy tokens), and the whole flow through the gateway (over NIXL, a tiny model with the real
+one's KV geometry; mockers for fault injection and the block-leak run)."""
 
 from __future__ import annotations
 
@@ -199,26 +199,38 @@ def test_a_first_token_that_ends_the_request_holds_nothing(make_tiny_engine: Any
     assert engine.num_leases == 0 and engine.block_manager.num_used_blocks == 0
 
 
-# ---- through the gateway: real model over NIXL -------------------------------------------------------------
+# ---- through the gateway: workers over NIXL ----------------------------------------------------------------
 
 # through the gateway, prompts of 5, 49, 21 and 81 tokens: under one block of 16, and one to five whole
 # blocks with a partial one after them (the pages' layout is what differs; more prompts repeat these cases)
 GATEWAY_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[6], PROMPTS[9]]
-REAL = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1, "namespace": "disagg-real",
+# A tiny random-weight Llama with the real model's vocabulary and its KV geometry (30 layers, 3 KV heads of 64,
+# fp32: 737,280 bytes a block), so NIXL moves the bytes the real model's pages would; its embeddings untied, so
+# its greedy tokens follow the context and a wrong page shows in them. Its workers start as the real model's do
+# (the process, torch, Ray), and decode in a fraction of its time. The real model's pages cross hosts over NIXL
+# in test_multihost.py.
+TINY_LLAMA = {"hidden_size": 96, "num_hidden_layers": 30, "num_attention_heads": 3, "num_key_value_heads": 3,
+              "head_dim": 64, "tie_word_embeddings": False}
+PAIR = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1, "namespace": "disagg-nixl",
         "transfer_ucx_tls": "cma,tcp,self", "transfer_ucx_net_devices": "lo"}
 
 
 @pytest.fixture(scope="module")
-@needs('model')
-def real_pair(ray_instance: Any) -> Any:
-    """A real prefill worker and a real decode worker (NIXL between them), in their own namespace."""
+@needs("fleet")
+def pair(ray_instance: Any) -> Any:
+    """A prefill worker and a decode worker of the tiny Llama (NIXL between them), in their own namespace, and
+    an aggregated engine over the same model in this process: (handles, infos, engine)."""
+    from _tiny_models import tiny_model
+
+    from dynserve.engine.llm_engine import LLMEngine
     from dynserve.workers.worker import launch_worker
 
-    settings = Settings(**REAL)
-    launched = [launch_worker(settings, f"real-{role}", role, num_cpus=0.25, publish_events=True)  # type: ignore[arg-type]
+    settings = Settings(**PAIR, model=str(tiny_model("llama", **TINY_LLAMA)))
+    launched = [launch_worker(settings, f"nixl-{role}", role, num_cpus=0.25, publish_events=True)  # type: ignore[arg-type]
                 for role in ("prefill", "decode")]
+    engine = LLMEngine(settings)
     infos = ray_instance.get([ref for _handle, ref in launched], timeout=300)
-    yield [handle for handle, _ref in launched], infos
+    yield [handle for handle, _ref in launched], infos, engine
     for handle, _ref in launched:
         ray_instance.kill(handle)
 
@@ -236,22 +248,21 @@ def _wait_used_blocks(ray: Any, handle: Any, expected: int, timeout_s: float = 5
     return used
 
 
-def test_disaggregated_greedy_outputs_equal_aggregated(real_pair: Any, make_gateway: Any, make_engine: Any,
-                                                       ray_instance: Any) -> None:
-    (prefill_handle, decode_handle), infos = real_pair
+def test_disaggregated_greedy_outputs_equal_aggregated(pair: Any, make_gateway: Any, ray_instance: Any) -> None:
+    (prefill_handle, decode_handle), infos, engine = pair
     assert infos[0].kv_agent is not None  # the prefill worker published its transfer agent
-    server = make_gateway(infos=infos, namespace=REAL["namespace"], disagg_local_prefill_tokens=0)
+    server = make_gateway(infos=infos, namespace=PAIR["namespace"], disagg_local_prefill_tokens=0)
     assert 'dynserve_disagg_fallbacks_total{reason="transfer_error"} 0.0' in httpx.get(f"{server.url}/metrics").text
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
-    engine = make_engine(kv_blocks=256)
+    model = infos[0].model_id
     baseline = ray_instance.get(prefill_handle.load.remote()).num_blocks_used
     for i, text in enumerate(GATEWAY_PROMPTS):
         offline = engine.generate([text], GREEDY)[0]
-        whole = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
+        whole = client.completions.create(model=model, prompt=text, max_tokens=12, temperature=0)
         assert whole.choices[0].text == offline.text, text
         assert whole.usage.completion_tokens == len(offline.token_ids)
         assert _wait_used_blocks(ray_instance, prefill_handle, baseline) == baseline
-        chunks = list(client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0,
+        chunks = list(client.completions.create(model=model, prompt=text, max_tokens=12, temperature=0,
                                                 stream=True, stream_options={"include_usage": True}))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == offline.text, text
         assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
@@ -260,7 +271,7 @@ def test_disaggregated_greedy_outputs_equal_aggregated(real_pair: Any, make_gate
         assert _wait_used_blocks(ray_instance, prefill_handle, baseline) == baseline
     assert _wait_used_blocks(ray_instance, decode_handle, 0) == 0
     long_prompt = PROMPTS[1]
-    answer = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)
+    answer = client.completions.create(model=model, prompt=long_prompt, max_tokens=4, temperature=0)
     assert answer.usage.prompt_tokens_details.cached_tokens >= 32  # cached on the prefill worker
     assert _metric(server.url, "dynserve_disagg_requests_total", "remote") == 2 * len(GATEWAY_PROMPTS) + 1
     for reason in ("transfer_error", "transfer_timeout", "prefill_failed", "no_blocks"):
