@@ -54,10 +54,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # root, where nothing they compile is kept (tests/test_operator_pods.py). Left to their first import (into
   # this writable virtualenv, once, and only the modules imported) are the big packages no pod imports: those
   # of the test process and the benchmarks (transformers: the HF reference reaches 173 of its 2,860 modules;
-  # openai, checkov, schemathesis, matplotlib with fontTools), pip and setuptools, and torch's
-  # sympy and networkx (its compiler's, which the engine does not run): 11,100 of the 22,500 files
+  # openai, checkov, schemathesis, matplotlib with fontTools), pip and setuptools, torch's sympy and networkx
+  # (its compiler's, which the engine does not run), the Kubernetes client (the operator's and `dynctl
+  # deploy`'s) and Ray's libraries beside its core (RLlib, Tune, Train, Data, Serve, LLM): 14,700 of the
+  # 22,500 files
   echo "setup: byte-compiling the virtualenv"
-  skip='transformers|openai|checkov|schemathesis|matplotlib|fontTools|pip|setuptools|sympy|networkx'
+  skip='transformers|openai|checkov|schemathesis|matplotlib|fontTools|pip|setuptools|sympy|networkx|kubernetes'
+  skip="$skip|ray/(rllib|tune|train|data|serve|llm)"
   "$VENV/bin/python" -m compileall -q -j 2 -x "/site-packages/($skip)/" "$VENV"/lib/python3*/site-packages \
     > /dev/null || true
   echo "$want" > "$stamp"
