@@ -165,25 +165,53 @@ def test_aggregated_mockers_on_two_hosts(fleet: tuple[Hosts, RayCluster], plane:
             assert "dynserve_worker_step_duration_seconds_count" in text
 
 
-# ---- disaggregated: the real model, prefill on one host, decode on the other ---------------------------------
+# ---- disaggregated: prefill on one host, decode on the other ------------------------------------------------
 
+# prompts of 5, 49 and 81 tokens: under one block of 16, then three and five whole blocks with a partial one
 PROMPTS = [
     "The capital of France is",
     "Write a haiku about the sea. " * 6,
-    "Here is a recipe for pancakes: first,",
     "The quick brown fox jumps over the lazy dog. " * 8,
 ]
+# A tiny random-weight Llama with the real model's vocabulary and its KV geometry (30 layers, 3 KV heads of 64,
+# fp32: 737,280 bytes a block), so a read moves the bytes the real model's would. Untied embeddings and weights
+# of 0.3 (not 0.1) make its greedy tokens follow the context: with a block of the 49- or 81-token prompt zeroed
+# after prefill, its decode differs within four tokens (the real model's within two, or not at all for the
+# 81-token prompt's first block), where a tied or 0.1 one let a missing last block through.
+TINY_LLAMA = {"hidden_size": 96, "num_hidden_layers": 30, "num_attention_heads": 3, "num_key_value_heads": 3,
+              "head_dim": 64, "tie_word_embeddings": False, "initializer_range": 0.3}
 
 
-@pytest.mark.parametrize("backend", ["nixl", "tcp"])
-def test_disaggregated_real_model_reads_pages_across_hosts(fleet: tuple[Hosts, RayCluster], backend: str,
-                                                           make_engine: Any) -> None:
+def _tiny_llama_engine() -> tuple[str, Any]:
+    """The tiny Llama's path and an aggregated engine over it, on this machine's own loopback."""
+    from _tiny_models import tiny_model
+
+    from dynserve.config import Settings
+    from dynserve.engine.llm_engine import LLMEngine
+
+    path = str(tiny_model("llama", **TINY_LLAMA))
+    return path, LLMEngine(Settings(model=path, dtype="float32", device="cpu", kv_blocks=256))
+
+
+# The real model over NIXL (what `--transfer-backend auto` picks): the one test of the suite that serves it across
+# hosts. TCP over the tiny Llama: its pages cross hosts as the real model's would, and its workers start and
+# decode in a fraction of the real model's time.
+@pytest.mark.parametrize("backend", [pytest.param("nixl", marks=pytest.mark.model), "tcp"])
+def test_disaggregated_decode_reads_pages_across_hosts(fleet: tuple[Hosts, RayCluster], backend: str,
+                                                       request: pytest.FixtureRequest) -> None:
+    from dynserve.model.resolve import model_id_of
+
     hosts, _cluster = fleet
     a, b, c = hosts[0], hosts[1], hosts[2]
-    engine = make_engine(kv_blocks=256)  # the aggregated reference, on this machine's own loopback
+    if backend == "nixl":
+        model, model_flags = MODEL, []
+        engine = request.getfixturevalue("make_engine")(kv_blocks=256)  # the aggregated reference
+    else:
+        path, engine = _tiny_llama_engine()
+        model, model_flags = model_id_of(Path(path)), ["--model", path]
     expected = [engine.generate([p], SamplingParams(max_tokens=12, temperature=0))[0].text for p in PROMPTS]
     flags = ["--prefill-workers", "1", "--decode-workers", "1", "--kv-blocks", "256", "--transfer-backend", backend,
-             "--disagg-local-prefill-tokens", "0", "--dtype", "float32"]
+             "--disagg-local-prefill-tokens", "0", "--dtype", "float32", *model_flags]
     with serving(fleet, *flags) as url:
         placed = {host.name: _dynserve_sockets(host) for host in (b, c)}
         assert all(placed.values()), placed  # prefill on one host, decode on the other
@@ -197,8 +225,8 @@ def test_disaggregated_real_model_reads_pages_across_hosts(fleet: tuple[Hosts, R
             client = _client(url)
             answers = []
             for prompt in PROMPTS:
-                whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
-                chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                whole = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0)
+                chunks = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0,
                                                    stream=True)
                 answers.append((whole.choices[0].text, "".join(c.choices[0].text for c in chunks if c.choices)))
             return answers
