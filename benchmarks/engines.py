@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from benchmarks._chat_workload import play, summarize
 from benchmarks._common import git_commit, log, machine_info, write_result
@@ -72,8 +73,9 @@ def phase_order(run: int) -> tuple[str, ...]:
 
 
 @contextmanager
-def dynserve_gateway(servers: list[VllmServer], model_dir: Path, router: str, log_dir: Path) -> Iterator[int]:
-    """`dynctl gateway` over `servers` with `router`; yields its port once it serves."""
+def dynserve_gateway(servers: list[VllmServer], model_dir: Path, router: str,
+                     log_dir: Path) -> Iterator[tuple[int, int]]:
+    """`dynctl gateway` over `servers` with `router`; yields its port and PID once it serves."""
     command = [str(Path(sys.executable).parent / "dynctl"), "gateway", "--port", "0", "--model", str(model_dir),
                "--router", router, *(f"--worker-url={worker_url(s, f'vllm-{i}')}" for i, s in enumerate(servers))]
     log_path = log_dir / f"gateway-{router}.log"
@@ -87,7 +89,7 @@ def dynserve_gateway(servers: list[VllmServer], model_dir: Path, router: str, lo
                 raise RuntimeError(f"the gateway did not start:\n{log_path.read_text()[-3000:]}")
             time.sleep(0.2)
         banner = next(line for line in log_path.read_text().splitlines() if "dynserve gateway: serving" in line)
-        yield int(banner.split("http://")[1].split("/")[0].rsplit(":", 1)[1])
+        yield int(banner.split("http://")[1].split("/")[0].rsplit(":", 1)[1]), process.pid
     finally:
         process.terminate()
         process.wait(30)
@@ -99,16 +101,42 @@ def reset_caches(servers: list[VllmServer]) -> None:
         response.raise_for_status()
 
 
-def run_phase(name: str, port: int, plan: Plan, seed: int, model: str) -> dict[str, Any]:
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` and its live descendants, with what the children each has
+    waited for had spent (0 for a process gone)."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return total
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end_pid: int,
+              servers: list[VllmServer]) -> dict[str, Any]:
+    """The plan played through the front end on `port`; with the CPU seconds the front end's processes and
+    the vLLM servers' (API server and engine core) spent over the phase: on two shared cores, what a front end
+    burns is taken from the engines."""
     workload = plan.workload(seed, speedup=1.0)
     start_s = time.monotonic()
+    cpu_before = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
     results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
+    cpu_after = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
     summary = summarize(results, block_size=BLOCK_SIZE)
-    summary.update(num_retries=num_retries, wall_s=time.monotonic() - start_s)
+    summary.update(num_retries=num_retries, wall_s=time.monotonic() - start_s,
+                   front_end_cpu_s=cpu_after[0] - cpu_before[0], vllm_cpu_s=cpu_after[1] - cpu_before[1])
     log(f"{name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms, cache hit "
         f"{summary['cache_hit']:.2f}, history hit {summary['history_hit']}, {summary['turns']} turns in "
         f"{summary['wall_s']:.0f} s; TTFT p50 by turn (ms): "
-        + ", ".join(f"{t:.0f}" for t in summary["ttft_p50_ms_by_turn"]))
+        + ", ".join(f"{t:.0f}" for t in summary["ttft_p50_ms_by_turn"])
+        + f"; CPU front end {summary['front_end_cpu_s']:.1f} s, vLLM {summary['vllm_cpu_s']:.1f} s")
     return summary
 
 
@@ -132,7 +160,7 @@ def added_latency(server: VllmServer, model_dir: Path, log_dir: Path, num: int) 
     """TTFT p50 at concurrency 1, direct and through a gateway over this server alone (alternating blocks)."""
     direct: list[float] = []
     through: list[float] = []
-    with dynserve_gateway([server], model_dir, "kv", log_dir) as port:
+    with dynserve_gateway([server], model_dir, "kv", log_dir) as (port, _):
         asyncio.run(_ttfts_c1(port, model_dir.name, 5))  # warm both paths
         asyncio.run(_ttfts_c1(server.port, model_dir.name, 5))
         for _ in range(10):  # alternating blocks: a drift of the machine's speed hits both alike
@@ -156,16 +184,16 @@ def warm_up(servers: list[VllmServer], model: str) -> None:
 
 @contextmanager
 def front_end(phase: str, servers: list[VllmServer], model_dir: Path, sglang: Path,
-              log_dir: Path) -> Iterator[int]:
+              log_dir: Path) -> Iterator[tuple[int, int]]:
     """What fronts `servers` in `phase` (`PHASES`): dynserve's gateway with the kv router or round robin, or
-    sglang-router; yields its port."""
+    sglang-router; yields its port and PID."""
     if phase != "sglang":
-        with dynserve_gateway(servers, model_dir, "kv" if phase == "kv" else "round_robin", log_dir) as port:
-            yield port
+        with dynserve_gateway(servers, model_dir, "kv" if phase == "kv" else "round_robin", log_dir) as found:
+            yield found
         return
     router_service = start_sglang_router(sglang, [s.port for s in servers], log_dir)
     try:
-        yield router_service.port
+        yield router_service.port, router_service.process.pid
     finally:
         router_service.stop()
 
@@ -175,8 +203,8 @@ def one_run(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, s
     phases: dict[str, Any] = {}
     for name in order:
         reset_caches(servers)
-        with front_end(name, servers, model_dir, sglang, log_dir) as port:
-            phases[name] = run_phase(name, port, plan, seed, model_dir.name)
+        with front_end(name, servers, model_dir, sglang, log_dir) as (port, pid):
+            phases[name] = run_phase(name, port, plan, seed, model_dir.name, pid, servers)
     c1 = added_latency(servers[0], model_dir, log_dir, num_c1)
     kv = phases["kv"]["ttft_p50_ms"]
     return {"order": list(order), "phases": phases, "c1": c1,

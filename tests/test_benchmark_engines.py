@@ -1,9 +1,15 @@
 """`benchmarks.engines` without vLLM: its runs rotate the order of the phases, so no router is always measured
-first (on servers that have just warmed up) or last."""
+first (on servers that have just warmed up) or last; a phase's CPU counts a front end's child processes."""
 
 from __future__ import annotations
 
-from benchmarks.engines import PHASES, phase_order
+import subprocess
+import sys
+import time
+
+import psutil
+
+from benchmarks.engines import PHASES, phase_order, tree_cpu_s
 
 
 def test_each_phase_comes_first_and_last_once_in_three_runs() -> None:
@@ -12,3 +18,26 @@ def test_each_phase_comes_first_and_last_once_in_three_runs() -> None:
     assert sorted(order[0] for order in orders) == sorted(PHASES)
     assert sorted(order[-1] for order in orders) == sorted(PHASES)
     assert phase_order(0) == PHASES == phase_order(3)
+
+
+def test_a_process_trees_cpu_counts_its_childrens_work() -> None:
+    # a parent that only waits on a child, which spins for half a second of CPU and then sleeps
+    child = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\ntime.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"])
+    try:
+        deadline_s = time.monotonic() + 10
+        while tree_cpu_s(parent.pid) - tree_cpu_s_of_parent_alone(parent.pid) < 0.45:
+            assert time.monotonic() < deadline_s, "the child's CPU never showed in its parent's tree"
+            time.sleep(0.05)
+    finally:
+        for process in psutil.Process(parent.pid).children(recursive=True):
+            process.kill()
+        parent.kill()
+        parent.wait()
+    assert tree_cpu_s(parent.pid) == 0.0  # gone: nothing to count
+
+
+def tree_cpu_s_of_parent_alone(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
