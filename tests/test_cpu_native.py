@@ -186,3 +186,16 @@ def test_select_ops_takes_the_kernels_for_bf16_on_cpu_only(kernel, monkeypatch) 
     assert cpu_ops.select_ops(torch.float32, cpu).name == "torch"  # fp32 stays exactly eager torch
     monkeypatch.setattr("dynserve.engine.kernels.cpu_ops.USE_NATIVE_OPS", False)
     assert cpu_ops.select_ops(torch.bfloat16, cpu).name == "torch"
+
+
+def test_dtype_auto_is_bf16_only_where_the_kernels_run_and_bf16_elsewhere_is_warned_of(kernel, caplog) -> None:  # type: ignore[no-untyped-def]
+    from dynserve.engine.llm_engine import resolve_dtype
+
+    cpu = torch.device("cpu")
+    has_bf16 = kernel.has_avx512_bf16()
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if has_bf16 else torch.float32)
+    with caplog.at_level("WARNING", logger="dynserve.engine.llm_engine"):
+        assert resolve_dtype("bfloat16", cpu) == torch.bfloat16  # served as asked
+        assert resolve_dtype("float32", cpu) == torch.float32
+    warned = [r.getMessage() for r in caplog.records if "AVX512-BF16" in r.getMessage()]
+    assert len(warned) == (0 if has_bf16 else 1), warned

@@ -77,18 +77,27 @@ def torch_dtype(name: DType) -> torch.dtype:
 def resolve_dtype(name: DType, device: torch.device) -> torch.dtype:
     """`Settings.dtype` on `device`: 'auto' is bfloat16 on a CUDA device that supports it (what GPU serving
     runs) and on a CPU whose bf16 kernels run (AVX512-BF16 and a compiler to build them), about 2-3x faster
-    at decode than float32 within bf16's parity tolerance; float32 elsewhere."""
+    at decode than float32 within bf16's parity tolerance; float32 elsewhere. bfloat16 asked for on a CPU
+    without those kernels is served (torch's bf16 linears), with a warning: there it is several times slower
+    than float32."""
     if name != "auto":
+        if name == "bfloat16" and device.type == "cpu" and not _cpu_bf16_kernels():
+            logger.warning("dtype bfloat16 on a CPU without AVX512-BF16 (or without the native kernels): torch's "
+                           "bf16 linears run several times slower than float32 here; dtype auto picks float32")
         return torch_dtype(name)
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
-    if device.type == "cpu":
-        from dynserve.engine.kernels import cpu_native
-
-        kernels = cpu_native.load()
-        if kernels is not None and kernels.has_avx512_bf16():
-            return torch.bfloat16
+    if device.type == "cpu" and _cpu_bf16_kernels():
+        return torch.bfloat16
     return torch.float32
+
+
+def _cpu_bf16_kernels() -> bool:
+    """Whether this CPU runs the native bf16 kernels (AVX512-BF16, and the library built)."""
+    from dynserve.engine.kernels import cpu_native
+
+    kernels = cpu_native.load()
+    return kernels is not None and kernels.has_avx512_bf16()
 
 class LLMEngine(EngineCore):
     """The engine over a real model; request handling and deltas come from `EngineCore`."""
