@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import sys
 import tempfile
 import time
@@ -320,7 +321,10 @@ def ray_instance(request: pytest.FixtureRequest) -> Any:
         ray.shutdown()
         return
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+    # logical CPUs: the session's worker takes one, and fleets that join later (pools, `dynctl serve
+    # --ray-address`) schedule theirs beside it; with two, a file that ran after others on the same xdist
+    # worker could wait for CPUs forever (Ray also starts as many worker processes at once as it has CPUs).
+    ray.init(num_cpus=8, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
              _temp_dir=temp_dir)
     yield ray
     ray.shutdown()
@@ -496,13 +500,20 @@ def dynctl_serve_on_test_ray(ray_instance: Any) -> Callable[..., contextlib.Abst
 
 
 def wait_for_line(process: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
-    """What `process` wrote to stderr up to the first line containing `marker` (it must stay alive)."""
+    """What `process` wrote to stderr up to the first line containing `marker` (it must stay alive). A process
+    still silent at the deadline is killed: a read of its stderr would otherwise block past the deadline
+    (a fleet waiting for resources its cluster never frees writes nothing)."""
     lines: list[str] = []
     deadline = time.monotonic() + timeout_s
-    while not any(marker in line for line in lines):
-        assert process.poll() is None, "".join(lines)
-        assert time.monotonic() < deadline, f"no {marker!r} within {timeout_s} s: {''.join(lines)}"
-        lines.append(process.stderr.readline())  # type: ignore[union-attr]
+    watchdog = threading.Timer(timeout_s, process.kill)
+    watchdog.start()
+    try:
+        while not any(marker in line for line in lines):
+            assert time.monotonic() < deadline, f"no {marker!r} within {timeout_s} s: {''.join(lines)}"
+            assert process.poll() is None, "".join(lines)
+            lines.append(process.stderr.readline())  # type: ignore[union-attr]
+    finally:
+        watchdog.cancel()
     return "".join(lines)
 
 

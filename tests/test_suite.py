@@ -61,3 +61,18 @@ def test_tests_reaching_the_model_or_ray_are_marked_so_and_left_out_of_the_fast_
                     "test_a_mocker_actor_imports_no_torch_and_reserves_a_hundredth_of_a_cpu"):
         assert {"fleet", "ray"} <= markers[f"tests/test_mocker.py::{started}"]
     assert len(fast) >= 400
+
+
+def test_waiting_for_a_silent_process_ends_at_its_deadline() -> None:
+    """`wait_for_line` kills a process that writes nothing by the deadline (a blocked read would hang the run)."""
+    import time
+
+    from conftest import wait_for_line
+
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stderr=subprocess.PIPE,
+                               text=True)
+    start_s = time.monotonic()
+    with pytest.raises(AssertionError, match="within 1"):
+        wait_for_line(process, "never", 1)
+    assert time.monotonic() - start_s < 10 and process.wait(10) != 0
+    process.stderr.close()  # type: ignore[union-attr]
