@@ -23,9 +23,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -113,13 +113,13 @@ def _needs_of(item: pytest.Item) -> set[str]:
 # The test files that cost most, slowest first (docs/testing.md): run first, so that with several workers
 # (`-n`) the long ones start at once and the short ones fill in at the end.
 SLOWEST_FIRST = [
-    "test_multihost.py", "test_hf_parity.py", "test_structured_output.py", "test_gateway.py", "test_packaging.py",
-    "test_planner_live.py", "test_architectures.py", "test_disagg.py", "test_pool.py", "test_operator_pods.py",
-    "test_mocker.py", "test_accelerator_path.py", "test_deploy_cli.py", "test_observability.py",
-    "test_vllm_worker.py", "test_cli_serve.py", "test_structured_corpus.py", "test_tokenizer.py", "test_routing.py",
-    "test_multimodel.py", "test_engine.py", "test_fuzz.py", "test_events.py", "test_gguf_tokenizers.py",
-    "test_peer_pulls.py", "test_triton_kernels.py", "test_http_limits.py", "test_security.py", "test_recovery.py",
-    "test_migration.py",
+    "test_multihost.py", "test_hf_parity.py", "test_structured_output.py", "test_gateway.py",
+    "test_packaging.py", "test_planner_live.py", "test_architectures.py", "test_disagg.py", "test_pool.py",
+    "test_operator_pods.py", "test_mocker.py", "test_accelerator_path.py", "test_deploy_cli.py",
+    "test_observability.py", "test_vllm_worker.py", "test_cli_serve.py", "test_structured_corpus.py",
+    "test_tokenizer.py", "test_routing.py", "test_multimodel.py", "test_engine.py", "test_fuzz.py",
+    "test_events.py", "test_gguf_tokenizers.py", "test_peer_pulls.py", "test_triton_kernels.py",
+    "test_http_limits.py", "test_security.py", "test_recovery.py", "test_migration.py",
 ]
 
 

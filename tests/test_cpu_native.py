@@ -188,7 +188,8 @@ def test_select_ops_takes_the_kernels_for_bf16_on_cpu_only(kernel, monkeypatch) 
     assert cpu_ops.select_ops(torch.bfloat16, cpu).name == "torch"
 
 
-def test_dtype_auto_is_bf16_only_where_the_kernels_run_and_bf16_elsewhere_is_warned_of(kernel, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_dtype_auto_is_bf16_only_where_the_kernels_run_and_bf16_elsewhere_is_warned_of(  # type: ignore[no-untyped-def]
+        kernel, caplog) -> None:
     from dynserve.engine.llm_engine import resolve_dtype
 
     cpu = torch.device("cpu")

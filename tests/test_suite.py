@@ -64,7 +64,8 @@ def test_tests_reaching_the_model_or_ray_are_marked_so_and_left_out_of_the_fast_
 
 
 def test_waiting_for_a_silent_process_ends_at_its_deadline() -> None:
-    """`wait_for_line` kills a process that writes nothing by the deadline (a blocked read would hang the run)."""
+    """`wait_for_line` kills a process that writes nothing by the deadline (a blocked read would hang the
+    run)."""
     import time
 
     from conftest import wait_for_line

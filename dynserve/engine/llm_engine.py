@@ -82,8 +82,9 @@ def resolve_dtype(name: DType, device: torch.device) -> torch.dtype:
     than float32."""
     if name != "auto":
         if name == "bfloat16" and device.type == "cpu" and not _cpu_bf16_kernels():
-            logger.warning("dtype bfloat16 on a CPU without AVX512-BF16 (or without the native kernels): torch's "
-                           "bf16 linears run several times slower than float32 here; dtype auto picks float32")
+            logger.warning("dtype bfloat16 on a CPU without AVX512-BF16 (or without the native kernels): "
+                           "torch's bf16 linears run several times slower than float32 here; dtype auto "
+                           "picks float32")
         return torch_dtype(name)
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16
@@ -98,6 +99,7 @@ def _cpu_bf16_kernels() -> bool:
 
     kernels = cpu_native.load()
     return kernels is not None and kernels.has_avx512_bf16()
+
 
 class LLMEngine(EngineCore):
     """The engine over a real model; request handling and deltas come from `EngineCore`."""

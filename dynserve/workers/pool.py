@@ -8,8 +8,8 @@ and the event plane (the worker registry), on one asyncio loop.
 
 Membership is published through the registry, not by the pool: a worker registers itself once its channel
 listens and heartbeats its lease; a draining worker deregisters itself; the pool deregisters a worker it
-finds dead, so gateways that follow the registry (`gateway.directory.WorkerDirectory`) stop routing to it at once
-instead of when its lease runs out.
+finds dead, so gateways that follow the registry (`gateway.directory.WorkerDirectory`) stop routing to it
+at once instead of when its lease runs out.
 
 Restart policy: a worker that dies without being asked to (or fails to start) is replaced after a backoff
 of `backoff_s * 2**k`, capped at `backoff_max_s`, where k counts the replacements made in the last
