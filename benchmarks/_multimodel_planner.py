@@ -6,11 +6,13 @@ scraping every second and `--disagg-max-prefill-queue 100000`, as `benchmarks/pl
 `mode_flags`, with the models in front):
 
 - **static**: every model with the workers its own busiest window needs (`Sizing.static_fleet`);
-- **planner**: every model from 1 prefill + 1 decode worker, `--planner --planner-mode sla` with the mocker
-  profile's shipped capacity profile, each model's pools bounded by [1, the static fleet's], all models
-  within `--planner-max-total-workers` (`Sizing.budget`: the floors of every model and the static fleet's
-  pools for the models busy at once, `models_busy_at_once` of the plan's phase and down delay); it is
-  polled (`GET /planner`, each model's `targets` and `serving` under `models`) every 0.5 s.
+- **planner**: every model from its floors, 2 prefill workers (`TurnsPlan.prefill_floor`) + 1 decode worker,
+  `--planner --planner-mode sla` with the mocker profile's shipped capacity profile and no rise spare (the
+  floor's second prefill worker is a standing one), each model's pools
+  bounded by [its floor, the static fleet's], all models within `--planner-max-total-workers`
+  (`Sizing.budget`: the floors of every model and the static fleet's pools for the models busy at once,
+  `models_busy_at_once` of the plan's phase and down delay); it is polled (`GET /planner`, each model's
+  `targets` and `serving` under `models`) every 0.5 s.
 
 Each request's body is a streamed completion of its own prompt (plain-word token ids, no two alike) of
 exactly its output length, to its model; both fleets get the same bodies at the same times. A request meets
@@ -329,6 +331,19 @@ class TurnsPlan:
     # in 14% of the decisions of a full run on a loaded machine)
     sizing_window_s: float = 10.0  # the static fleet carries each model's busiest window of this length
     attainment_window_s: float = 10.0
+    # the planner's least prefill workers a model: one serves a trickle, the other is a spare that takes a
+    # burst or the first step of a rise while the planner starts more. With a floor of 1, a full run started
+    # about 54 workers (16-23 of them on trickles' blips), each about 1.4-2.9 s of CPU on the benchmark's 2
+    # cores, and the client and the fleet fell behind around them (see docs/benchmarks.md, multimodel)
+    prefill_floor: int = 2
+    # the sla mode's rise spare (`--planner-rise-spare-workers`): the floor's second worker is a standing spare,
+    # and in the what-if (`_multimodel_whatif`) the rise spare on top of it added 4.5 starts a replay, no miss
+    # fewer
+    rise_spare_workers: int = 0
+
+    @property
+    def floors(self) -> dict[str, int]:
+        return {"prefill": self.prefill_floor, "decode": 1}
 
 
 QUICK_TURNS = TurnsPlan(TurnsShape(num_models=3, phase_s=20.0, peak_rate_per_s=7.5, trickle_rate_per_s=0.3))
@@ -343,12 +358,13 @@ def fleet_flags(plan: TurnsPlan, links: Sequence[Path], sizing: Sizing) -> dict[
 
     clock = Plan(duration_s=plan.shape.duration_s, peak_rate_per_s=plan.shape.peak_rate_per_s,
                  interval_s=plan.interval_s, window_s=plan.window_s)
-    flags = mode_flags(clock, 1.0, {"peak": sizing.static_fleet}, PROFILE)  # the planner's max: the "peak" fleet
+    flags = mode_flags(clock, 1.0, {"peak": sizing.static_fleet}, PROFILE,  # the planner's max: the "peak" fleet
+                       prefill_floor=plan.prefill_floor)
     models = [flag for link in links for flag in ("--model", str(link))]
     return {"static": [*models, *flags["peak"][0]],
             "planner": [*models, *flags["planner"][0], "--planner-max-total-workers", str(sizing.budget),
                         "--planner-down-delay-s", f"{plan.down_delay_s:g}", "--planner-ttft-ms",
-                        f"{plan.planner_ttft_ms:g}"]}
+                        f"{plan.planner_ttft_ms:g}", "--planner-rise-spare-workers", str(plan.rise_spare_workers)]}
 
 
 def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir: Path,
@@ -362,7 +378,7 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
     trace = generate(plan.shape, seed)
     sizing = size_fleets(profile.shipped(PROFILE), trace, plan.sizing_window_s, ttft_target_s=SIZING.ttft_ms / 1000,
                          itl_target_s=SIZING.itl_ms / 1000,
-                         busy_at_once=models_busy_at_once(plan.shape, plan.down_delay_s))
+                         busy_at_once=models_busy_at_once(plan.shape, plan.down_delay_s), floors=plan.floors)
     log(f"planner half: {len(trace.requests)} requests for {len(names)} models in {trace.duration_s:g} s; "
         f"static fleet {sizing.static_fleet} a model ({sizing.static_workers} workers), planner budget "
         f"{sizing.budget}, the load's need {min(sizing.oracle_workers)}-{max(sizing.oracle_workers)}")

@@ -20,7 +20,8 @@ largest over the models: `dynctl serve` gives every model the same pools, and th
 same but for the Poisson draws); `oracle_workers` is, per window, what each model's window needs summed over
 the models (a planner that knew the load and started workers in no time). The planner's shared budget is
 what its own floors and down delay hold while models overlap: `busy_at_once` models with the static fleet's
-pools and every other model at its floor (one worker a pool), plus `budget_margin`; never less than the
+pools and every other model at its floors (`floors`: one worker a pool unless given), plus `budget_margin`;
+never less than the
 oracle's busiest window plus the margin, never more than the static fleet. `models_busy_at_once`: a model
 holds workers over its floor from its rise to a down delay after its fall, `2 * phase_s + down_delay_s`,
 and a new model rises every `phase_s`, so that many phases' models hold workers at once (3 in the full
@@ -147,10 +148,11 @@ class Sizing:
 
 
 def size_fleets(profile: Any, trace: TurnsTrace, window_s: float, *, ttft_target_s: float, itl_target_s: float,
-                busy_at_once: int = 1, budget_margin: int = 2) -> Sizing:
+                busy_at_once: int = 1, budget_margin: int = 2, floors: Mapping[str, int] | None = None) -> Sizing:
     """The static fleet, the planner's budget and the oracle's workers for `trace` (see the module
     docstring); `profile` is a `CapacityProfile` (of the mockers' speed); `busy_at_once`: the models that hold
-    more than their floors at once (`models_busy_at_once`)."""
+    more than their floors at once (`models_busy_at_once`); `floors`: the planner's least workers a pool
+    (default one a pool)."""
     mean_isl = sum(r.input_length for r in trace.requests) / len(trace.requests)
     mean_osl = sum(r.output_length for r in trace.requests) / len(trace.requests)
 
@@ -166,7 +168,8 @@ def size_fleets(profile: Any, trace: TurnsTrace, window_s: float, *, ttft_target
     static = {pool: max(f[pool] for f in by_model) for pool in by_model[0]}
     oracle = [sum(sum(fleet(model_rates[k]).values()) for model_rates in rates) for k in range(len(rates[0]))]
     busy = min(busy_at_once, trace.num_models)
-    overlap = busy * sum(static.values()) + (trace.num_models - busy) * len(static)  # the others at 1 a pool
+    floor_workers = sum((floors or {}).get(pool, 1) for pool in static)
+    overlap = busy * sum(static.values()) + (trace.num_models - busy) * floor_workers  # the others at their floors
     static_workers = trace.num_models * sum(static.values())
     budget = min(static_workers, max(overlap, max(oracle[:num_whole])) + budget_margin)
     return Sizing(static, budget, peaks, oracle, mean_isl, mean_osl)

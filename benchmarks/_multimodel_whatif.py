@@ -28,10 +28,11 @@ settings replayed the same way, never as a forecast of a full run.
     PYTHONPATH=$PWD .venv/bin/python -m benchmarks._multimodel_whatif
 
 replays the full plan's trace (seed 0) 20 times (start lags of median 3 and 4 s, 10 seeds each) for each of
-six settings: the shared budget of before 2026-11-28 (25) and the current one, each without the planner's
-rise spare, with it at the `rise_min_need` of 1867ca8 (0.65) and at the current one; and prints each's
-misses, replays without a miss, worker-s ratio, budget cuts and worker starts, all and the trickles' (about
-a minute).
+four settings: a prefill floor of one worker a model with the planner's rise spare (the benchmark's until
+2026-11-29) and without it, and the benchmark's floor (`TurnsPlan.prefill_floor`) without the rise spare (the
+benchmark's since) and with it, each within the
+budget its floors size (`size_fleets`); and prints each's misses, replays without a miss, worker-s ratio,
+budget cuts and worker starts, all and the trickles' (about a minute and a half).
 """
 
 from __future__ import annotations
@@ -94,10 +95,12 @@ def start_lag_s(seed: int, model_index: int, pool: str, slot: int, decided_s: fl
 
 
 def planner_config(sizing: Sizing, *, ttft_target_s: float, itl_target_s: float, interval_s: float,
-                   read_window_s: float, down_delay_s: float, **changes: Any) -> PlannerConfig:
-    """The config `dynctl serve` builds from the planner fleet's flags (`fleet_flags`), with `changes`."""
+                   read_window_s: float, down_delay_s: float, floors: Mapping[str, int] | None = None,
+                   **changes: Any) -> PlannerConfig:
+    """The config `dynctl serve` builds from the planner fleet's flags (`fleet_flags`), with `changes`;
+    `floors`: each pool's least workers (default one a pool), where a replay's models start."""
     config = PlannerConfig(mode="sla", ttft_target_s=ttft_target_s, itl_target_s=itl_target_s,
-                           interval_s=interval_s, min_workers={"prefill": 1, "decode": 1},
+                           interval_s=interval_s, min_workers=dict(floors or {"prefill": 1, "decode": 1}),
                            max_workers=dict(sizing.static_fleet), read_window_s=read_window_s,
                            down_delay_s=down_delay_s)
     return replace(config, **changes)
@@ -111,9 +114,10 @@ class _Model:
         self.arrivals_s = [t for t, _, _ in requests]
         # what a queue's tokens weigh when the gateway compares workers
         self.nominal_tokens_per_s = tokens_per_s(2048)
-        self.prefill = [_Worker(0.0)]
-        self.decode_from_s = [0.0]
-        self.targets = {"prefill": 1, "decode": 1}
+        floors = core.config.min_workers  # a model starts at its floors
+        self.prefill = [_Worker(0.0) for _ in range(floors["prefill"])]
+        self.decode_from_s = [0.0] * floors["decode"]
+        self.targets = {"prefill": floors["prefill"], "decode": floors["decode"]}
         self.ttft_s: list[float | None] = [None] * len(requests)
         self.first_tokens: list[tuple[float, float, int, int]] = []  # (at, TTFT, ISL, OSL)
 
@@ -210,7 +214,7 @@ def replay(trace: TurnsTrace, sizing: Sizing, profile: Any, config: PlannerConfi
         by_model[m].append((request.timestamp_s, request.input_length, request.output_length))
     models = []
     for m in range(trace.num_models):
-        shared.record(str(m), 2, squeezed=False)
+        shared.record(str(m), config.min_workers["prefill"] + config.min_workers["decode"], squeezed=False)
         core = PlannerCore(config, ("prefill", "decode"), profile, budget=shared, member=str(m))
         models.append(_Model(core, by_model[m], profile.prefill_tokens_per_s))
     events: list[tuple[float, int, int, int]] = []  # (time, kind: 0 decide, 1 arrive, 2 join, model, index)
@@ -262,27 +266,29 @@ def main() -> None:
 
     plan, capacity = FULL_TURNS, profiles.shipped(PROFILE)
     trace = generate(plan.shape, 0)
-    sizing = size_fleets(capacity, trace, plan.sizing_window_s, ttft_target_s=SIZING.ttft_ms / 1000,
-                         itl_target_s=SIZING.itl_ms / 1000,
-                         busy_at_once=models_busy_at_once(plan.shape, plan.down_delay_s))
     bumps = [bump_s(plan.shape, m) for m in range(plan.shape.num_models)]
-    spares = {"no": {"rise_spare_workers": 0}, "at need 0.65": {"rise_min_need": 0.65},
-              f"at need {PlannerConfig().rise_min_need:g}": {}}
-    for budget in (25, sizing.budget):
-        for spare, changes in spares.items():
+    for prefill_floor in sorted({1, plan.prefill_floor}):
+        floors = {"prefill": prefill_floor, "decode": 1}
+        sizing = size_fleets(capacity, trace, plan.sizing_window_s, ttft_target_s=SIZING.ttft_ms / 1000,
+                             itl_target_s=SIZING.itl_ms / 1000, floors=floors,
+                             busy_at_once=models_busy_at_once(plan.shape, plan.down_delay_s))
+        for spare, changes in {"none": {"rise_spare_workers": 0}, "the default": {}}.items():
             config = planner_config(sizing, ttft_target_s=plan.planner_ttft_ms / 1000,
                                     itl_target_s=SIZING.itl_ms / 1000, interval_s=plan.interval_s,
-                                    read_window_s=plan.window_s, down_delay_s=plan.down_delay_s, **changes)
-            runs = [replay(trace, sizing, capacity, config, budget=budget, lag_median_s=lag_s, seed=seed,
+                                    read_window_s=plan.window_s, down_delay_s=plan.down_delay_s, floors=floors,
+                                    **changes)
+            runs = [replay(trace, sizing, capacity, config, budget=sizing.budget, lag_median_s=lag_s, seed=seed,
                            bumps=bumps)
                     for lag_s in (3.0, 4.0)
                     for seed in range(1, 11)]
             clean = sum(r.num_missed == 0 for r in runs)
-            print(f"budget {budget}, rise spare {spare}: {sum(r.num_missed for r in runs)} missed in "
-                  f"{len(runs)} replays, {clean} without a miss, worker-s ratio "
-                  f"{sum(r.ratio for r in runs) / len(runs):.3f}, {sum(r.num_budget_cuts for r in runs)} "
-                  f"budget cuts, {sum(r.num_starts for r in runs) / len(runs):.1f} worker starts a replay "
+            print(f"prefill floor {prefill_floor}, budget {sizing.budget}, rise spare {spare}: "
+                  f"{sum(r.num_missed for r in runs)} missed in {len(runs)} replays, {clean} without a miss, "
+                  f"worker-s ratio {sum(r.ratio for r in runs) / len(runs):.3f}, "
+                  f"{sum(r.num_budget_cuts for r in runs)} budget cuts, "
+                  f"{sum(r.num_starts for r in runs) / len(runs):.1f} worker starts a replay "
                   f"({sum(r.num_trickle_starts for r in runs) / len(runs):.1f} outside the bumps)", flush=True)
+
 
 if __name__ == "__main__":
     main()

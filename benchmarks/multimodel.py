@@ -54,14 +54,16 @@ stay near 1,200 a second.
    (`benchmarks.planner.fleet_for_rate` at the sizing targets, 1 s TTFT and 20 ms ITL, and the trace's mean
    ISL and OSL): 3 prefill + 2 decode at seed 0, 50 workers for 10 models. (Shorter windows size for
    Poisson noise: on 4 s windows seed 0's busiest model reads 12 req/s and every model would get 4 + 2.)
-2. **planner**: every model from 1 prefill + 1 decode worker, `--planner --planner-mode sla` with the mocker
-   profile's shipped capacity profile and the same targets, each model's pools bounded by [1, the static
-   fleet's], all models within `--planner-max-total-workers`: what the planner's own floors and down delay
-   hold while models overlap, plus 2 (31 at seed 0: three models busy at once, the rising one, the one
-   falling from its peak and the one before it inside its 10 s down delay, each with the static fleet's 5
-   workers, and the other seven at their floors of 1 + 1; until 2026-11-28 the most that all models' 10 s
-   windows need at once plus 2, 25, which the floors and the down delay alone filled: the budget was full a
-   quarter of the run and cut rising models' scale-ups). The planner decides every second on a 3 s read
+2. **planner**: every model from its floors, 2 prefill + 1 decode workers, `--planner --planner-mode sla`
+   with the mocker profile's shipped capacity profile, the same targets and no rise spare, each model's
+   pools bounded by [its floor, the static fleet's], all models within `--planner-max-total-workers`: what
+   the planner's own floors and down delay hold while models overlap, plus 2 (38 at seed 0: three models busy
+   at once, the rising one, the one falling from its peak and the one before it inside its 10 s down delay,
+   each with the static fleet's 5 workers, and the other seven at their floors of 2 + 1). Until 2026-11-29
+   the floors were 1 + 1 (budget 31) with the rise spare: a full run started about 54 workers, 16-23 of them
+   on trickles' blips, each a process start costing 1.4-2.9 s of CPU on the 2 cores, and 3-15 requests a
+   run missed where the static fleet's met theirs (docs/benchmarks.md); the second prefill worker a model
+   takes a burst or a rise's first step without a start. The planner decides every second on a 3 s read
    window: at 2 s and 4 s
    (`benchmarks.planner`'s clock) it added a rising model's second prefill worker about 5 s after one
    worker stopped keeping up, and 4-7% of the requests missed the SLO where the static fleet's met it; a

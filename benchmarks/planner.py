@@ -428,20 +428,21 @@ def _capacity_profile(name: str) -> Any:
     return profile.load(Path(name)) if Path(name).is_file() else profile.shipped(name)
 
 
-def mode_flags(plan: Plan, speedup: float, fleets: Mapping[str, Mapping[str, int]], profile_name: str
-               ) -> dict[str, tuple[list[str], dict[str, int] | None]]:
-    """Each mode's `dynctl serve` flags, and its static fleet (None: the planner's, bounded by the peak
-    fleet's sizes)."""
+def mode_flags(plan: Plan, speedup: float, fleets: Mapping[str, Mapping[str, int]], profile_name: str, *,
+               prefill_floor: int = 1) -> dict[str, tuple[list[str], dict[str, int] | None]]:
+    """Each mode's `dynctl serve` flags, and its static fleet (None: the planner's, from `prefill_floor`
+    prefill workers and one decode worker, bounded by the peak fleet's sizes)."""
     common = ["--mocker", PROFILE, "--mocker-speedup", f"{speedup:g}", "--router", "kv", "--prometheus",
               "--scrape-interval-s", "1", "--disagg-max-prefill-queue", str(NO_PREFILL_OVERFLOW)]
 
     def static(fleet: Mapping[str, int]) -> list[str]:
         return [*common, "--prefill-workers", str(fleet["prefill"]), "--decode-workers", str(fleet["decode"])]
 
-    planner = [*static({"prefill": 1, "decode": 1}), "--planner", "--planner-mode", "sla",
+    planner = [*static({"prefill": prefill_floor, "decode": 1}), "--planner", "--planner-mode", "sla",
                "--planner-ttft-ms", f"{SIZING.ttft_ms / speedup:g}", "--planner-itl-ms",
                f"{SIZING.itl_ms / speedup:g}", "--planner-interval-s", f"{plan.interval_s / speedup:g}",
-               "--planner-window-s", f"{plan.window_s / speedup:g}", "--planner-min-prefill-workers", "1",
+               "--planner-window-s", f"{plan.window_s / speedup:g}",
+               "--planner-min-prefill-workers", str(prefill_floor),
                "--planner-max-prefill-workers", str(fleets["peak"]["prefill"]),
                "--planner-min-decode-workers", "1",
                "--planner-max-decode-workers", str(fleets["peak"]["decode"])]

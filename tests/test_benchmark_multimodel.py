@@ -146,6 +146,11 @@ def test_the_planners_budget_holds_the_floors_and_the_models_busy_at_once() -> N
                          busy_at_once=models_busy_at_once(FULL_TURNS.shape, FULL_TURNS.down_delay_s))
     assert sizing.static_fleet == {"prefill": 3, "decode": 2}
     assert sizing.budget == 3 * 5 + 7 * 2 + 2 == 31
+    # the benchmark's floors (2 prefill + 1 decode a model): the seven others hold three workers each
+    at_floors = size_fleets(PROFILE, trace, FULL_TURNS.sizing_window_s, **TARGETS, floors=FULL_TURNS.floors,
+                            busy_at_once=models_busy_at_once(FULL_TURNS.shape, FULL_TURNS.down_delay_s))
+    assert FULL_TURNS.floors == {"prefill": 2, "decode": 1}
+    assert at_floors.budget == 3 * 5 + 7 * 3 + 2 == 38 < at_floors.static_workers
     assert max(sizing.oracle_workers) + 2 < sizing.budget < sizing.static_workers
     # two models busy at once on the hand-made trace: their static pools and the margin exceed the static
     # fleet, which caps it
@@ -166,11 +171,16 @@ def test_each_fleet_gets_its_models_and_the_planner_its_bounds_and_budget(tmp_pa
     static, planner = flags["static"], flags["planner"]
     assert "--planner" not in static
     assert (value(static, "--prefill-workers"), value(static, "--decode-workers")) == ("3", "2")
-    assert (value(planner, "--prefill-workers"), value(planner, "--decode-workers")) == ("1", "1")
+    # the planner starts at its floors: 2 prefill workers (one a standing spare, no rise spare) and 1 decode
+    assert (value(planner, "--prefill-workers"), value(planner, "--decode-workers")) == ("2", "1")
     assert value(planner, "--planner-max-prefill-workers") == "3"
     assert value(planner, "--planner-max-decode-workers") == "2"
-    assert value(planner, "--planner-min-prefill-workers") == value(planner, "--planner-min-decode-workers") == "1"
+    assert (value(planner, "--planner-min-prefill-workers"), value(planner, "--planner-min-decode-workers")) == (
+        "2", "1")
+    assert value(planner, "--planner-rise-spare-workers") == "0"
     assert value(planner, "--planner-max-total-workers") == "9"
+    one = fleet_flags(TurnsPlan(_shape(num_models=2), prefill_floor=1), links, sizing)["planner"]
+    assert value(one, "--prefill-workers") == value(one, "--planner-min-prefill-workers") == "1"
     assert (value(planner, "--planner-interval-s"), value(planner, "--planner-window-s")) == ("1", "3")
 
 

@@ -1,8 +1,8 @@
 """The planner half's offline what-if (`benchmarks/_multimodel_whatif.py`): the real planner cores against a
 model of the fleet, on the quick plan's trace. It is deterministic for a seed, it misses nothing where
 workers start at once and the budget never binds, it misses where a model cannot grow, a budget of the
-floors alone holds every model at its floors, it counts the workers started (inside and outside the models'
-bumps), and a start's lag does not depend on the other starts."""
+floors alone holds every model at its floors (which it starts at), it counts the workers started (inside
+and outside the models' bumps), and a start's lag does not depend on the other starts."""
 
 from __future__ import annotations
 
@@ -44,6 +44,17 @@ def test_a_budget_of_the_floors_holds_every_model_at_them() -> None:
     assert held.num_budget_cuts > 0
     assert abs(held.worker_s - floors * TRACE.duration_s) < 1e-6
     assert held.num_starts == 0
+
+
+def test_models_start_at_their_floors_and_a_budget_of_them_holds_them_there() -> None:
+    floors = {"prefill": 2, "decode": 1}
+    held = replay(TRACE, SIZING, PROFILE, _config(floors=floors), budget=3 * TRACE.num_models, seed=1)
+    assert held.num_starts == 0 and held.num_budget_cuts > 0
+    assert abs(held.worker_s - 3 * TRACE.num_models * TRACE.duration_s) < 1e-6
+    # a spare prefill worker a model takes the rises' first steps: fewer starts than from a floor of one
+    roomy = replay(TRACE, SIZING, PROFILE, _config(floors=floors), budget=SIZING.static_workers, seed=1)
+    lean = replay(TRACE, SIZING, PROFILE, _config(), budget=SIZING.static_workers, seed=1)
+    assert roomy.num_starts < lean.num_starts and roomy.worker_s > lean.worker_s
 
 
 def test_starts_are_counted_and_those_outside_the_bumps_are_the_trickles() -> None:
