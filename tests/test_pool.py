@@ -139,7 +139,65 @@ def test_workers_take_a_gpu_each_where_the_cluster_has_them() -> None:
     assert worker_resources(num_cluster_gpus=0, num_cpus=0.25) == {"num_cpus": 0.25, "num_gpus": 0.0}
 
 
+def test_what_a_worker_asks_ray_for_and_why_it_waits_in_words() -> None:
+    from dynserve.config import Settings
+    from dynserve.workers.pool import placement_shortfall, ray_needs
+
+    settings = Settings(worker_num_cpus=2.0)
+    assert ray_needs(settings, {"num_cpus": 0.5, "num_gpus": 0.0}) == {"CPU": 0.5}
+    assert ray_needs(settings, {"num_gpus": 1.0, "resources": {"dynserve_pool_decode": 1.0}}) == {
+        "CPU": 2.0, "GPU": 1.0, "dynserve_pool_decode": 1.0}
+    nodes = [{"CPU": 2.0, "memory": 1e9}, {"CPU": 4.0}]
+    busy = placement_shortfall({"CPU": 3.0}, nodes, {"CPU": 0.5})
+    assert "asks for CPU 3" in busy and "free in the cluster now: CPU 0.5" in busy
+    never = placement_shortfall({"CPU": 1.0, "GPU": 1.0}, nodes, {"CPU": 6.0})
+    assert "no live node has that much (the nodes: CPU 2, GPU 0; CPU 4, GPU 0)" in never
+    assert "no live node has that much (the nodes: none)" in placement_shortfall({"CPU": 1.0}, [], {})
+
+
 # ---- a real pool on Ray ------------------------------------------------------------------------------------
+
+@needs("fleet")
+def test_a_worker_ray_cannot_place_is_reported_with_what_it_asks_for(ray_instance: Any, monkeypatch: Any,
+                                                                       caplog: Any) -> None:
+    """A mocker asking for more CPUs than any node of the test Ray has: the pool says so while it waits
+    (no worker process starts), and closing the pool ends the wait."""
+    from dynserve.config import Settings
+    from dynserve.workers import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "UNPLACED_WARN_S", 0.3)
+    settings = Settings(mocker="cpu", worker_num_cpus=64.0, namespace="pool-unplaced")
+    worker_pool = pool_module.WorkerPool(settings, name="huge")
+
+    async def scenario() -> None:
+        adding = asyncio.create_task(worker_pool.add())
+        deadline_s = time.monotonic() + 30
+        while "is not placed by Ray yet" not in caplog.text:
+            assert time.monotonic() < deadline_s and not adding.done(), caplog.text
+            await asyncio.sleep(0.05)
+        adding.cancel()
+        await worker_pool.close()
+
+    with caplog.at_level("WARNING", logger="dynserve.workers.pool"):
+        asyncio.run(scenario())
+    assert "worker huge-0 is not placed by Ray yet: it asks for CPU 64 and no live node has that much" in caplog.text
+    assert "CPU 8" in caplog.text  # the test Ray's one node
+
+
+@needs("fleet")
+def test_a_fleet_the_cluster_cannot_hold_is_refused_before_any_worker_starts(ray_instance: Any) -> None:
+    """What `dynctl serve` checks on a Ray it started: the test Ray's one node of 8 CPUs holds two workers of
+    3 CPUs, not three, and no worker of 9."""
+    from dynserve.config import Settings
+    from dynserve.workers.pool import check_placeable
+
+    check_placeable(Settings(worker_num_cpus=3.0), num_workers=2)
+    with pytest.raises(PoolError, match="3 workers cannot start on this Ray at once: each asks for CPU 3, and "
+                                        "its nodes hold 2"):
+        check_placeable(Settings(worker_num_cpus=3.0), num_workers=3)
+    with pytest.raises(PoolError, match="no worker can start on this Ray: it asks for CPU 9 and no live node"):
+        check_placeable(Settings(worker_num_cpus=9.0))
+    check_placeable(Settings(mocker="cpu"), num_workers=500)  # a mocker reserves a hundredth of a CPU
 
 class _LoopThread:
     """An asyncio loop on a thread of its own, where the pool and its health monitor live across tests."""

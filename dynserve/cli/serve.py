@@ -157,7 +157,7 @@ def serve(settings: Settings) -> int:
     settings = with_fleet_token(settings)
     started_ray = start_ray(settings)
     try:
-        uvloop.run(_serve(settings, tokenizers))
+        uvloop.run(_serve(settings, tokenizers, check_fit=started_ray))
         print("dynserve: stopped", file=sys.stderr)
         return EXIT_OK
     finally:
@@ -223,11 +223,12 @@ def check_layout(settings: Settings) -> None:
                                   "its own)", param="worker_metrics_port")
 
 
-async def _serve(settings: Settings, tokenizers: list[Any]) -> None:
+async def _serve(settings: Settings, tokenizers: list[Any], *, check_fit: bool = False) -> None:
     """The pools of workers (each model's), then the gateway following them through the registry, until
-    SIGINT/SIGTERM."""
+    SIGINT/SIGTERM. `check_fit`: refuse, before any worker starts, a fleet the cluster cannot hold at once
+    (a Ray this command started: one node, nothing to add another)."""
     from dynserve.gateway.server import make_gateway_app, serve_app_async
-    from dynserve.workers.pool import WorkerPool
+    from dynserve.workers.pool import WorkerPool, check_placeable
 
     if _disaggregated(settings):
         layout = [("p", "prefill", settings.prefill_workers), ("d", "decode", settings.decode_workers)]
@@ -241,6 +242,8 @@ async def _serve(settings: Settings, tokenizers: list[Any]) -> None:
         layout = [(name, role, min(max(n, bounds[role][0]), bounds[role][1])) for name, role, n in layout]
     # several workers on one host share its cores: each gets its part of the threads
     num_workers = sum(n for _name, _role, n in layout) * len(models)
+    if check_fit and not settings.pools_follow_nodes:
+        await asyncio.to_thread(check_placeable, settings, num_workers)
     threads = settings.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
     # following nodes, a worker has its node to itself and takes the node's CPUs (workers/pool.py)
     worker_settings = settings if settings.pools_follow_nodes else settings.model_copy(update={"num_threads": threads})

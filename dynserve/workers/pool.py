@@ -38,11 +38,18 @@ from dynserve.events.base import EventPlane
 from dynserve.protocol import WorkerInfo
 from dynserve.workers.worker import Role, launch_worker, reserved_cpus
 
-__all__ = ["Member", "PoolPolicy", "RestartPolicy", "WorkerPool", "node_resource", "worker_resources"]
+__all__ = ["Member", "PoolPolicy", "RestartPolicy", "WorkerPool", "check_placeable", "node_resource",
+           "placement_shortfall", "ray_needs", "worker_resources"]
 
 logger = logging.getLogger(__name__)
 
 MemberState = Literal["starting", "serving", "draining"]
+
+# A worker whose actor Ray has not placed this long after its launch is reported, and again every
+# UNPLACED_REPEAT_S while it waits: what it asks for against what the cluster's nodes have, so that a start
+# waiting on resources (held by other actors, or more than any node has) is seen, not a silent hang.
+UNPLACED_WARN_S = 10.0
+UNPLACED_REPEAT_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,7 +360,7 @@ class WorkerPool:
         try:
             handle, info_ref = launch_worker(settings, worker_id, self.role, publish_events=True, **resources)
             self._handles[worker_id] = handle
-            info: WorkerInfo = await info_ref
+            info: WorkerInfo = await self._started(worker_id, handle, info_ref, ray_needs(settings, resources))
         except Exception as exc:
             logger.error("pool %s: worker %s failed to start: %s", self.name, worker_id, exc)
             self._on_death(worker_id)
@@ -364,6 +371,25 @@ class WorkerPool:
                             pool=self.name, worker_id=worker_id)
         logger.info("pool %s: worker %s serving at %s:%d", self.name, worker_id, info.host, info.port)
         return info
+
+    async def _started(self, worker_id: str, handle: Any, info_ref: Any, needs: dict[str, float]) -> WorkerInfo:
+        """`info_ref` awaited; while the worker's actor is not placed, say so (`UNPLACED_WARN_S`)."""
+        waiting = asyncio.ensure_future(info_ref)
+        timeout_s = UNPLACED_WARN_S
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(waiting), timeout_s)  # type: ignore[no-any-return]
+                except TimeoutError:
+                    pass
+                timeout_s = UNPLACED_REPEAT_S
+                if await asyncio.to_thread(_is_placed, handle):
+                    continue  # placed: its model is loading
+                nodes, free = await asyncio.to_thread(_cluster_resources)
+                logger.warning("pool %s: worker %s is not placed by Ray yet: %s", self.name, worker_id,
+                               placement_shortfall(needs, nodes, free))
+        finally:
+            waiting.cancel()
 
     def _node_size(self) -> tuple[float, float]:
         """(CPUs, GPUs) of a node made for this pool (they are alike: one pod template)."""
@@ -453,6 +479,70 @@ class WorkerPool:
             await self.registry.deregister(worker_id)
         except Exception as exc:  # the lease runs out instead
             logger.warning("pool %s: could not deregister %s: %s", self.name, worker_id, exc)
+
+
+def ray_needs(settings: Settings, launch: dict[str, Any]) -> dict[str, float]:
+    """What a worker launched with `launch` (`launch_worker`'s resource arguments) asks Ray for, by Ray's
+    resource names; its CPUs default as `launch_worker`'s do."""
+    num_cpus = launch.get("num_cpus")
+    needs = {"CPU": reserved_cpus(settings) if num_cpus is None else float(num_cpus),
+             "GPU": float(launch.get("num_gpus") or 0.0), **launch.get("resources", {})}
+    return {name: amount for name, amount in needs.items() if amount > 0}
+
+
+def placement_shortfall(needs: dict[str, float], nodes: list[dict[str, float]], free: dict[str, float]) -> str:
+    """Why an actor asking for `needs` may wait, in words: when no live node's total (`nodes`, one dict of
+    resources each) holds it, that no node can; else what the whole cluster has free now (`free`)."""
+    def amounts(resources: dict[str, float]) -> str:
+        return ", ".join(f"{name} {resources.get(name, 0.0):g}" for name in needs)
+
+    asked = amounts(needs)
+    if not any(all(node.get(name, 0.0) >= amount for name, amount in needs.items()) for node in nodes):
+        listed = "; ".join(amounts(node) for node in nodes) if nodes else "none"
+        return (f"it asks for {asked} and no live node has that much (the nodes: {listed}); it starts only "
+                f"if such a node joins")
+    return (f"it asks for {asked}; free in the cluster now: {amounts(free)} (other actors hold the rest); it "
+            f"starts once they free it")
+
+
+def check_placeable(settings: Settings, num_workers: int = 1) -> None:
+    """Raise PoolError, in words, when the live nodes of the cluster cannot hold `num_workers` of `settings`'
+    workers at once. For a Ray this process started (one node, no autoscaler to add one), before any worker
+    starts: else a start would wait forever. Ray must be initialized."""
+    import ray
+
+    num_gpus = 0.0 if settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
+    needs = ray_needs(settings, worker_resources(num_gpus, reserved_cpus(settings)))
+    nodes, free = _cluster_resources()
+    fits = sum(min((int(node.get(name, 0.0) / amount + 1e-9) for name, amount in needs.items()),
+                   default=num_workers) for node in nodes)
+    if fits >= num_workers:
+        return
+    if fits == 0:
+        raise PoolError(f"no worker can start on this Ray: {placement_shortfall(needs, nodes, free)}; set "
+                        f"--worker-num-cpus to at most a node's CPUs", pool="fleet")
+    asked = ", ".join(f"{name} {amount:g}" for name, amount in needs.items())
+    raise PoolError(f"{num_workers} workers cannot start on this Ray at once: each asks for {asked}, and its "
+                    f"nodes hold {fits}; start fewer workers or set --worker-num-cpus lower", pool="fleet")
+
+
+def _is_placed(handle: Any) -> bool:
+    """Whether Ray has given the actor of `handle` a worker process (True when that cannot be told)."""
+    from ray._private import state
+
+    try:
+        info = state.actors(actor_id=handle._actor_id.hex())
+    except Exception:  # a private API: never let it stop a start
+        return True
+    return bool(info.get("Pid")) or info.get("State") not in ("DEPENDENCIES_UNREADY", "PENDING_CREATION")
+
+
+def _cluster_resources() -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Each live node's total resources, and what the cluster has free now."""
+    import ray
+
+    nodes = [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
+    return nodes, dict(ray.available_resources())
 
 
 async def _wait_for_exit(handle: Any, timeout_s: float = 30.0) -> None:
