@@ -273,8 +273,9 @@ class Settings(BaseSettings):
         json_schema_extra=_CLUSTER)
 
     # ---- worker pools (dynserve.workers.pool) ----
-    pool_health_interval_s: float = Field(0.25, gt=0, description="how often a pool checks that its workers "
-                                          "are alive", json_schema_extra=_POOL)
+    pool_health_interval_s: float = Field(1.0, gt=0, description="how often a pool checks that its workers' "
+                                          "engines run and answer (an actor's death it learns at once), and "
+                                          "starts the replacements due", json_schema_extra=_POOL)
     pool_unresponsive_s: float = Field(15.0, gt=0, description="a worker that answers no health check for "
                                        "this long is killed and replaced", json_schema_extra=_POOL)
     pool_drain_timeout_s: float = Field(60.0, gt=0, description="how long a worker being removed may finish "

@@ -229,7 +229,7 @@ def pool(ray_instance: Any) -> Iterator[tuple[_LoopThread, Any]]:
 
     settings = Settings(dtype="float32", device="cpu", kv_blocks=192, num_threads=1, engine_nice=0,
                         worker_num_cpus=0.25, namespace=NAMESPACE, pool_restart_backoff_s=0.2,
-                        pool_health_interval_s=0.25)
+                        pool_health_interval_s=5.0)  # a death is seen by the watch, not these checks
     runner = _LoopThread()
     worker_pool = WorkerPool(settings, name="pt")
     try:

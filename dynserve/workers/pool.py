@@ -242,6 +242,7 @@ class WorkerPool:
         self._registry = registry
         self._owns_registry = registry is None  # then `registry` connects on first use and `close` closes it
         self._handles: dict[str, Any] = {}
+        self._watches: dict[str, asyncio.Task[None]] = {}  # each serving worker's `_watch`
         self._monitor: asyncio.Task[None] | None = None
         self._resources: dict[str, float] | None = None
         self._said_short = False
@@ -370,7 +371,22 @@ class WorkerPool:
             raise PoolError(f"worker {worker_id} of pool {self.name} was removed while starting",
                             pool=self.name, worker_id=worker_id)
         logger.info("pool %s: worker %s serving at %s:%d", self.name, worker_id, info.host, info.port)
+        self._watches[worker_id] = asyncio.create_task(self._watch(worker_id, handle), name=f"watch-{worker_id}")
         return info
+
+    async def _watch(self, worker_id: str, handle: Any) -> None:
+        """A call the worker's actor never answers: when it fails on the actor's death, the worker is dead to
+        the pool at once rather than at the next health check (which is for an engine that stopped or a
+        worker that hangs, and so can be rare: each check is an actor call, about 1 ms of CPU on each side)."""
+        from ray.exceptions import RayActorError
+
+        try:
+            await handle.until_dead.remote()
+        except RayActorError:
+            if self._handles.get(worker_id) is handle:
+                self._on_death(worker_id)
+        except Exception as exc:  # e.g. unreachable for a while: the health checks take it from here
+            logger.debug("pool %s: stopped watching %s: %s", self.name, worker_id, exc)
 
     async def _started(self, worker_id: str, handle: Any, info_ref: Any, needs: dict[str, float]) -> WorkerInfo:
         """`info_ref` awaited; while the worker's actor is not placed, say so (`UNPLACED_WARN_S`)."""
@@ -469,6 +485,9 @@ class WorkerPool:
         """Kill the actor if it still runs and forget its handle."""
         import ray
 
+        watch = self._watches.pop(worker_id, None)
+        if watch is not None and watch is not asyncio.current_task():
+            watch.cancel()
         handle = self._handles.pop(worker_id, None)
         if handle is not None:
             with contextlib.suppress(Exception):

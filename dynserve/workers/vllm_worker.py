@@ -123,6 +123,10 @@ class VllmWorker:
         except httpx.HTTPError:
             return False
 
+    async def until_dead(self) -> None:
+        """Never answers: the pool's call fails when this actor dies, which is how it learns at once."""
+        await asyncio.Event().wait()
+
     async def is_healthy(self) -> bool:
         if self._process is None or self._process.poll() is not None or self._info is None:
             return False

@@ -247,6 +247,10 @@ class EngineWorker:
     def is_healthy(self) -> bool:
         return self._runner.is_alive
 
+    async def until_dead(self) -> None:
+        """Never answers: the pool's call fails when this actor dies, which is how it learns at once."""
+        await asyncio.Event().wait()
+
     def recent_timings(self) -> list[RequestTiming]:
         return self._runner.recent_timings()
 
