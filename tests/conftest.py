@@ -306,6 +306,19 @@ def _reclaim_client_sockets() -> Iterator[None]:
         gc.collect()
 
 
+# Stopped before the test run's Ray shuts down: the gateways `make_gateway` started. Their routers and
+# directories read the event plane, and one still running after `ray.shutdown()` reconnects through a Ray
+# call, which starts a new local Ray (its agents outlived the run). `make_gateway` may have been set up
+# before `ray_instance`, and so be torn down after it.
+_STOP_BEFORE_RAY_SHUTDOWN: list[Callable[[], None]] = []
+
+
+def _shutdown_ray(ray: Any) -> None:
+    while _STOP_BEFORE_RAY_SHUTDOWN:
+        _STOP_BEFORE_RAY_SHUTDOWN.pop()()
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 @needs("ray")
 def ray_instance(request: pytest.FixtureRequest) -> Any:
@@ -318,7 +331,7 @@ def ray_instance(request: pytest.FixtureRequest) -> Any:
     if address:
         ray.init(address=address, log_to_driver=False)
         yield ray
-        ray.shutdown()
+        _shutdown_ray(ray)
         return
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     # logical CPUs: the session's worker takes one, and fleets that join later (pools, `dynctl serve
@@ -327,7 +340,7 @@ def ray_instance(request: pytest.FixtureRequest) -> Any:
     ray.init(num_cpus=8, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
              _temp_dir=temp_dir)
     yield ray
-    ray.shutdown()
+    _shutdown_ray(ray)
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -363,6 +376,7 @@ def make_gateway(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
         app = make_gateway_app(settings, infos, tokenizer, registry=registry)
         server = GatewayServer(app, settings).start()
         servers.append(server)
+        _STOP_BEFORE_RAY_SHUTDOWN.append(server.stop)
         return server
 
     yield factory
