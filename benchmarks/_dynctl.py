@@ -29,7 +29,7 @@ import psutil
 from benchmarks._common import file_tail, log
 from benchmarks._http import http_get
 
-__all__ = ["DynctlServer", "dynctl_serve", "scrape_counters", "scrape_worker_samples"]
+__all__ = ["DynctlServer", "dynctl_serve", "scrape_counters", "scrape_worker_samples", "tree_cpu_s"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _BANNER = re.compile(r"dynserve is serving \S+(?:, \S+)* at http://[^/\s]+:(\d+)/v1")  # one model or several
@@ -50,19 +50,27 @@ class DynctlServer:
 
     def cpu_s(self) -> float:
         """CPU seconds used so far by the server and its descendants (those alive now): Ray, the workers."""
-        try:
-            root = psutil.Process(self.process.pid)
-            processes = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return 0.0
-        total = 0.0
-        for process in processes:
-            try:
-                times = process.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += times.user + times.system
+        return tree_cpu_s(self.process.pid, waited_children=False)
+
+
+def tree_cpu_s(pid: int, *, waited_children: bool = True) -> float:
+    """User + system CPU seconds of process `pid` and its live descendants (0 for a process gone); with
+    `waited_children`, also what the children each has waited for had spent."""
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
         return total
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+        if waited_children:
+            total += times.children_user + times.children_system
+    return total
 
 
 @contextlib.contextmanager

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 
 from benchmarks._chat_workload import play, summarize
 from benchmarks._common import git_commit, log, machine_info, write_result
+from benchmarks._dynctl import tree_cpu_s
 from benchmarks._services import ensure_sglang_router, start_sglang_router
 from benchmarks._vllm import VllmServer, ensure_vllm, vllm_fleet, worker_url
 from benchmarks.routing import Plan
@@ -99,24 +99,6 @@ def reset_caches(servers: list[VllmServer]) -> None:
     for server in servers:
         response = httpx.post(f"http://127.0.0.1:{server.port}/reset_prefix_cache", timeout=60)
         response.raise_for_status()
-
-
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` and its live descendants, with what the children each has
-    waited for had spent (0 for a process gone)."""
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return total
-    for process in processes:
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system + times.children_user + times.children_system
-    return total
 
 
 def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end_pid: int,

@@ -9,7 +9,8 @@ import time
 
 import psutil
 
-from benchmarks.engines import PHASES, phase_order, tree_cpu_s
+from benchmarks._dynctl import tree_cpu_s
+from benchmarks.engines import PHASES, phase_order
 
 
 def test_each_phase_comes_first_and_last_once_in_three_runs() -> None:
