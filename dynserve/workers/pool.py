@@ -345,8 +345,6 @@ class WorkerPool:
     # ---- the shell -------------------------------------------------------------------------------------
 
     async def _launch(self, worker_id: str) -> WorkerInfo:
-        import ray
-
         settings = self.settings
         if settings.pools_follow_nodes:  # the whole node is the worker's
             cpus, gpus = await asyncio.to_thread(self._node_size)
@@ -355,13 +353,13 @@ class WorkerPool:
                                          "resources": {self.node_resource: 1.0}}
         else:
             if self._resources is None:
-                num_gpus = 0.0 if settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
-                self._resources = worker_resources(num_gpus, reserved_cpus(settings))
+                self._resources = _launch_resources(settings)
             resources = dict(self._resources)
         try:
             handle, info_ref = launch_worker(settings, worker_id, self.role, publish_events=True, **resources)
             self._handles[worker_id] = handle
-            info: WorkerInfo = await self._started(worker_id, handle, info_ref, ray_needs(settings, resources))
+            needs = ray_needs(settings, resources)
+            info: WorkerInfo = await self._started(worker_id, handle, info_ref, needs)
         except Exception as exc:
             logger.error("pool %s: worker %s failed to start: %s", self.name, worker_id, exc)
             self._on_death(worker_id)
@@ -371,13 +369,15 @@ class WorkerPool:
             raise PoolError(f"worker {worker_id} of pool {self.name} was removed while starting",
                             pool=self.name, worker_id=worker_id)
         logger.info("pool %s: worker %s serving at %s:%d", self.name, worker_id, info.host, info.port)
-        self._watches[worker_id] = asyncio.create_task(self._watch(worker_id, handle), name=f"watch-{worker_id}")
+        self._watches[worker_id] = asyncio.create_task(self._watch(worker_id, handle),
+                                                       name=f"watch-{worker_id}")
         return info
 
     async def _watch(self, worker_id: str, handle: Any) -> None:
         """A call the worker's actor never answers: when it fails on the actor's death, the worker is dead to
         the pool at once rather than at the next health check (which is for an engine that stopped or a
-        worker that hangs, and so can be rare: each check is an actor call, about 1 ms of CPU on each side)."""
+        worker that hangs, and so can be rare: each check is an actor call, about 1 ms of CPU on each
+        side)."""
         from ray.exceptions import RayActorError
 
         try:
@@ -388,14 +388,16 @@ class WorkerPool:
         except Exception as exc:  # e.g. unreachable for a while: the health checks take it from here
             logger.debug("pool %s: stopped watching %s: %s", self.name, worker_id, exc)
 
-    async def _started(self, worker_id: str, handle: Any, info_ref: Any, needs: dict[str, float]) -> WorkerInfo:
+    async def _started(self, worker_id: str, handle: Any, info_ref: Any,
+                       needs: dict[str, float]) -> WorkerInfo:
         """`info_ref` awaited; while the worker's actor is not placed, say so (`UNPLACED_WARN_S`)."""
         waiting = asyncio.ensure_future(info_ref)
         timeout_s = UNPLACED_WARN_S
         try:
             while True:
                 try:
-                    return await asyncio.wait_for(asyncio.shield(waiting), timeout_s)  # type: ignore[no-any-return]
+                    info: WorkerInfo = await asyncio.wait_for(asyncio.shield(waiting), timeout_s)
+                    return info
                 except TimeoutError:
                     pass
                 timeout_s = UNPLACED_REPEAT_S
@@ -500,6 +502,15 @@ class WorkerPool:
             logger.warning("pool %s: could not deregister %s: %s", self.name, worker_id, exc)
 
 
+def _launch_resources(settings: Settings) -> dict[str, float]:
+    """`launch_worker`'s resource arguments for a worker of `settings` (a GPU each where the cluster has
+    GPUs, a mocker never). Ray must be initialized."""
+    import ray
+
+    num_gpus = 0.0 if settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
+    return worker_resources(num_gpus, reserved_cpus(settings))
+
+
 def ray_needs(settings: Settings, launch: dict[str, Any]) -> dict[str, float]:
     """What a worker launched with `launch` (`launch_worker`'s resource arguments) asks Ray for, by Ray's
     resource names; its CPUs default as `launch_worker`'s do."""
@@ -509,40 +520,44 @@ def ray_needs(settings: Settings, launch: dict[str, Any]) -> dict[str, float]:
     return {name: amount for name, amount in needs.items() if amount > 0}
 
 
-def placement_shortfall(needs: dict[str, float], nodes: list[dict[str, float]], free: dict[str, float]) -> str:
+def _num_fitting(needs: dict[str, float], node: dict[str, float]) -> int:
+    """How many actors asking for `needs` the resources of `node` hold at once."""
+    return min((int(node.get(name, 0.0) / amount + 1e-9) for name, amount in needs.items()), default=1 << 30)
+
+
+def _amounts(names: dict[str, float], resources: dict[str, float]) -> str:
+    """`resources`' amounts of the resources `names` names, in words ("CPU 2, GPU 0")."""
+    return ", ".join(f"{name} {resources.get(name, 0.0):g}" for name in names)
+
+
+def placement_shortfall(needs: dict[str, float], nodes: list[dict[str, float]],
+                        free: dict[str, float]) -> str:
     """Why an actor asking for `needs` may wait, in words: when no live node's total (`nodes`, one dict of
     resources each) holds it, that no node can; else what the whole cluster has free now (`free`)."""
-    def amounts(resources: dict[str, float]) -> str:
-        return ", ".join(f"{name} {resources.get(name, 0.0):g}" for name in needs)
-
-    asked = amounts(needs)
-    if not any(all(node.get(name, 0.0) >= amount for name, amount in needs.items()) for node in nodes):
-        listed = "; ".join(amounts(node) for node in nodes) if nodes else "none"
+    asked = _amounts(needs, needs)
+    if not any(_num_fitting(needs, node) for node in nodes):
+        listed = "; ".join(_amounts(needs, node) for node in nodes) if nodes else "none"
         return (f"it asks for {asked} and no live node has that much (the nodes: {listed}); it starts only "
                 f"if such a node joins")
-    return (f"it asks for {asked}; free in the cluster now: {amounts(free)} (other actors hold the rest); it "
-            f"starts once they free it")
+    return (f"it asks for {asked}; free in the cluster now: {_amounts(needs, free)} (other actors hold the "
+            f"rest); it starts once they free it")
 
 
 def check_placeable(settings: Settings, num_workers: int = 1) -> None:
     """Raise PoolError, in words, when the live nodes of the cluster cannot hold `num_workers` of `settings`'
     workers at once. For a Ray this process started (one node, no autoscaler to add one), before any worker
     starts: else a start would wait forever. Ray must be initialized."""
-    import ray
-
-    num_gpus = 0.0 if settings.mocker is not None else ray.cluster_resources().get("GPU", 0.0)
-    needs = ray_needs(settings, worker_resources(num_gpus, reserved_cpus(settings)))
+    needs = ray_needs(settings, _launch_resources(settings))
     nodes, free = _cluster_resources()
-    fits = sum(min((int(node.get(name, 0.0) / amount + 1e-9) for name, amount in needs.items()),
-                   default=num_workers) for node in nodes)
+    fits = sum(_num_fitting(needs, node) for node in nodes)
     if fits >= num_workers:
         return
     if fits == 0:
         raise PoolError(f"no worker can start on this Ray: {placement_shortfall(needs, nodes, free)}; set "
                         f"--worker-num-cpus to at most a node's CPUs", pool="fleet")
-    asked = ", ".join(f"{name} {amount:g}" for name, amount in needs.items())
-    raise PoolError(f"{num_workers} workers cannot start on this Ray at once: each asks for {asked}, and its "
-                    f"nodes hold {fits}; start fewer workers or set --worker-num-cpus lower", pool="fleet")
+    raise PoolError(f"{num_workers} workers cannot start on this Ray at once: each asks for "
+                    f"{_amounts(needs, needs)}, and its nodes hold {fits}; start fewer workers or set "
+                    f"--worker-num-cpus lower", pool="fleet")
 
 
 def _is_placed(handle: Any) -> bool:
