@@ -14,12 +14,23 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCAL_RAY_ENV", "RESULTS_DIR", "best_time_s", "file_tail", "git_commit", "log", "machine_info", "percentile", "write_result"]
+__all__ = ["RESULTS_DIR", "best_time_s", "file_tail", "git_commit", "log", "machine_info", "percentile",
+           "start_local_ray", "write_result"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
-# the runtime env of a local Ray a benchmark starts: one host by construction, so workers serve on loopback
-LOCAL_RAY_ENV = {"env_vars": {"DYN_ADVERTISE_HOST": "127.0.0.1"}}
+
+
+def start_local_ray(**kwargs: Any) -> None:
+    """`ray.init(**kwargs)` of a local Ray as dynserve starts one (`dynserve.workers.ray_start`): one host by
+    construction, so workers serve on loopback (an address the Ray processes inherit from this process's
+    environment), started at niceness 0 by its system config."""
+    import ray
+
+    from dynserve.config import RAY_SYSTEM_CONFIG
+
+    os.environ["DYN_ADVERTISE_HOST"] = "127.0.0.1"
+    ray.init(_system_config=RAY_SYSTEM_CONFIG, **kwargs)
 
 
 def log(message: str) -> None:

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dynserve.config import ray_system_config_flag
+
 __all__ = ["SUBNET", "Host", "HostProcess", "Hosts", "RayCluster", "cluster", "dynctl_serve", "missing"]
 
 SUBNET = "198.18.0"  # a range reserved for benchmarking networks (RFC 2544): never anyone's real address
@@ -257,7 +259,7 @@ class RayCluster:
 
     def __enter__(self) -> RayCluster:
         self._start_node(self.head, ["--head", "--port", str(self.PORT), "--num-cpus", "0",
-                                     "--include-dashboard=false"])
+                                     "--include-dashboard=false", ray_system_config_flag()])
         for host, cpus in self.nodes.items():
             # a custom resource names each node, so a benchmark can place an actor on a given host
             self._start_node(host, ["--address", self.address, "--num-cpus", f"{cpus:g}",

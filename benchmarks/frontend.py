@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._http import read_chunked_body
-from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, machine_info, percentile, write_result
+from benchmarks._common import git_commit, log, machine_info, percentile, start_local_ray, write_result
 from benchmarks._services import free_port
 
 SPEEDUP = 1000.0
@@ -348,8 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = Settings(mocker="cpu", mocker_speedup=SPEEDUP, router="kv", port=0, seed=args.seed,
                         worker_metrics=worker_metrics)
     start = time.perf_counter()
-    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             runtime_env=LOCAL_RAY_ENV)
+    start_local_ray(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
     launched = [launch_mocker(settings, f"m{i}", publish_events=True) for i in range(2)]
     infos = ray.get([ref for _, ref in launched])
     context = multiprocessing.get_context("spawn")

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, machine_info, percentile, write_result
+from benchmarks._common import git_commit, log, machine_info, percentile, start_local_ray, write_result
 from benchmarks._http import RawConnection
 from benchmarks.engine import FULL_PLAN, Plan, Workload, make_workload, random_prompt
 
@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan: Plan = QUICK_PLAN if args.quick else FULL_PLAN
     settings = Settings(dtype="float32", device="cpu", num_threads=threads, seed=args.seed, port=0)
     start = time.perf_counter()
-    ray.init(num_cpus=threads, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             runtime_env=LOCAL_RAY_ENV)
+    start_local_ray(num_cpus=threads, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
     handle, info_ref = launch_worker(settings, "bench", num_cpus=1)
     engine = LLMEngine(settings)
     info = ray.get(info_ref)

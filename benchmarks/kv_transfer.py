@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, machine_info, write_result
+from benchmarks._common import git_commit, log, machine_info, start_local_ray, write_result
 from dynserve.config import Settings
 from dynserve.kv_transfer import coalesce_block_runs, make_connector
 from dynserve.kv_transfer.nixl_backend import nixl_available
@@ -231,9 +231,8 @@ def main() -> None:
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             runtime_env=LOCAL_RAY_ENV,
-             _temp_dir=temp_dir)
+    start_local_ray(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+                    _temp_dir=temp_dir)
     agent = ray.remote(num_cpus=1)(KVAgent)
     connectors = {backend: _transfer_settings(backend) for backend in backends}
     owner = agent.remote("owner", 1, connectors)

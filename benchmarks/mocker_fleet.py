@@ -23,7 +23,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import LOCAL_RAY_ENV, git_commit, log, write_result
+from benchmarks._common import git_commit, log, start_local_ray, write_result
 from dynserve.config import Settings
 from dynserve.protocol import GenerateRequest, SamplingParams, WorkerInfo
 from dynserve.workers.channel import WorkerConnection
@@ -71,9 +71,8 @@ def main() -> None:
 
     used_before_mib = _used_mib()
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(num_cpus=args.num_cpus, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             runtime_env=LOCAL_RAY_ENV,
-             _temp_dir=temp_dir)
+    start_local_ray(num_cpus=args.num_cpus, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
+                    _temp_dir=temp_dir)
     time.sleep(2)
     used_ray_mib = _used_mib()
     start_s = time.monotonic()

@@ -337,8 +337,11 @@ def ray_instance(request: pytest.FixtureRequest) -> Any:
     # logical CPUs: the session's worker takes one, and fleets that join later (pools, `dynctl serve
     # --ray-address`) schedule theirs beside it; with two, a file that ran after others on the same xdist
     # worker could wait for CPUs forever (Ray also starts as many worker processes at once as it has CPUs).
+    # workers at niceness 0 by the system config, as every Ray dynserve starts (`dynserve.workers.ray_start`)
+    from dynserve.config import RAY_SYSTEM_CONFIG
+
     ray.init(num_cpus=8, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             _temp_dir=temp_dir)
+             _temp_dir=temp_dir, _system_config=RAY_SYSTEM_CONFIG)
     yield ray
     _shutdown_ray(ray)
     shutil.rmtree(temp_dir, ignore_errors=True)

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from dynserve.config import Settings
+from dynserve.config import RAY_SYSTEM_CONFIG, Settings
 from dynserve.errors import ModelLoadError
 
 __all__ = ["serve", "start_ray", "with_fleet_token"]
@@ -46,12 +46,14 @@ def start_ray(settings: Settings) -> bool:
         ray.init(address=settings.ray_address, logging_level=logging.WARNING, log_to_driver=True)
         return False
     # Everything runs on this host by construction: workers and the event plane serve on loopback, so a local
-    # `dynctl serve` opens no port to the network but the gateway's (--host).
-    node_env = {"DYN_ADVERTISE_HOST": settings.advertise_host or "127.0.0.1"}
+    # `dynctl serve` opens no port to the network but the gateway's (--host). The addresses go in this
+    # process's environment, which the Ray processes it starts inherit: a runtime env saying them would start
+    # every worker through Ray's setup_worker (`workers/ray_start.py`), as would one saying the workers' niceness.
+    os.environ["DYN_ADVERTISE_HOST"] = settings.advertise_host or "127.0.0.1"
     if settings.bind_host:
-        node_env["DYN_BIND_HOST"] = settings.bind_host
+        os.environ["DYN_BIND_HOST"] = settings.bind_host
     ray.init(include_dashboard=False, object_store_memory=256 * 2**20, logging_level=logging.WARNING,
-             log_to_driver=True, runtime_env={"env_vars": node_env})
+             log_to_driver=True, _system_config=RAY_SYSTEM_CONFIG)
     return True
 
 

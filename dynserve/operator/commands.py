@@ -16,6 +16,7 @@ import shlex
 from typing import Any
 from urllib.parse import urlparse
 
+from dynserve.config import ray_system_config_flag
 from dynserve.operator.hardening import OBJECT_STORE_BYTES, cache_env
 from dynserve.operator.spec import DeploymentSpec, ModelEntry, ModelSource, VllmSpec, served_id
 
@@ -90,7 +91,9 @@ def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: flo
     more = "".join(f" {shlex.quote(flag)}" for flag in gateway_flags or [])
     if kind == "head":
         command = "serve" if serve else "gateway"
-        script = (f"{ray} --head --port={RAY_PORT} --num-cpus=0 --include-dashboard=false && "
+        # the cluster's system config comes from its head: workers start at niceness 0 (`RAY_SYSTEM_CONFIG`)
+        script = (f"{ray} --head --port={RAY_PORT} --num-cpus=0 --include-dashboard=false "
+                  f"{shlex.quote(ray_system_config_flag())} && "
                   f"exec dynctl {command} --ray-address=\"$POD_IP:{RAY_PORT}\"{more}")
     elif kind == "gateway":  # a Ray driver needs a node of its own: one with no CPUs, where nothing is placed
         script = (f"{ray} --address={head_host}:{RAY_PORT} --num-cpus=0 && "

@@ -65,6 +65,7 @@ from dynserve.protocol import (
     WorkerLoad,
 )
 from dynserve.workers.channel import FrameWriter
+from dynserve.workers.ray_start import worker_runtime_env
 from dynserve.workers.registration import Registration
 from dynserve.workers.transfer import WorkerTransfer
 
@@ -77,13 +78,6 @@ __all__ = ["MOCKER_NUM_CPUS", "EngineWorker", "Role", "kv_snapshot_of", "launch_
 logger = logging.getLogger(__name__)
 
 Role = Literal["both", "prefill", "decode"]
-# Ray renices every process it starts to 15, fit for batch tasks, unless the process's environment says
-# otherwise (Ray's job supervisor says 0 the same way). A worker's start (Ray's import, ours, the engine's
-# build) is what a scaling decision waits for, and its I/O what a request waits for: neither may wait behind
-# every other process on the host. At a load average of 30 on 2 cores a niced mocker took 13-90 s from the
-# pool's call to serving, one started at 0 took 6-16 s. A cluster whose Ray system config sets
-# `worker_niceness` keeps its setting.
-_WORKER_ENV = {"RAY_worker_niceness": "0"}
 # a mocker waits through its steps on its event loop: 64 of them fit in a 2-CPU Ray node
 MOCKER_NUM_CPUS = 0.01
 _CLIENT_FRAMES = msgspec.msgpack.Decoder(ClientFrame)
@@ -137,6 +131,11 @@ class EngineWorker:
         if settings.num_threads is None:  # Ray sets OMP_NUM_THREADS=1 in actors; use the cores we may run on
             settings = settings.model_copy(update={"num_threads": len(os.sched_getaffinity(0))})
         node_ip = _ray_node_ip()
+        if node_ip is not None and "torch" not in sys.modules:
+            # Ray started this process with OMP_NUM_THREADS at its CPU reservation (1 here), and torch's later
+            # set_num_threads does not undo that for every kernel library: nothing has loaded torch yet (its
+            # imports are lazy), so the count the engine uses becomes the one its libraries read at load
+            os.environ["OMP_NUM_THREADS"] = str(settings.num_threads)
         # Addresses belong to the node, not to the driver that sent these settings: inside Ray they come from
         # this process's own environment (a worker pod's DYN_ADVERTISE_HOST, its pod IP) and Ray's node IP.
         node = settings if node_ip is None else Settings()
@@ -408,17 +407,13 @@ def launch_worker(
 
         handle = _actor_class(VllmWorker).options(
             num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, name=f"dynserve-worker-{worker_id}",
-            max_concurrency=100, scheduling_strategy="SPREAD", runtime_env={"env_vars": _WORKER_ENV},
+            max_concurrency=100, scheduling_strategy="SPREAD", runtime_env=worker_runtime_env(),
         ).remote(settings, worker_id, role, publish_events)
         return handle, handle.start.remote()
-    # Ray starts actors with OMP_NUM_THREADS set to their CPU reservation (1 here); torch's later
-    # set_num_threads does not undo that for its GEMMs, which then run up to 4x slower. Start the process
-    # with the thread count the engine will use.
-    num_threads = settings.num_threads or os.cpu_count() or 1
+    num_threads = settings.num_threads or os.cpu_count() or 1  # the actor's OMP_NUM_THREADS (its __init__)
     handle = _actor_class(EngineWorker).options(
         num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, name=f"dynserve-worker-{worker_id}",
-        max_concurrency=1000,
-        runtime_env={"env_vars": {**_WORKER_ENV, "OMP_NUM_THREADS": str(num_threads)}},
+        max_concurrency=1000, runtime_env=worker_runtime_env(),
         scheduling_strategy="SPREAD",  # a pool's workers on as many nodes as can take them: a lost node costs few
     ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, publish_events)
     return handle, handle.start.remote()
