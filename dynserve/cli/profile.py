@@ -39,14 +39,16 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynserve.cli.options import EXIT_OK, add_settings_group, settings_from
 from dynserve.config import Settings
-from dynserve.engine.core import EngineCore
 from dynserve.errors import InvalidRequestError
 from dynserve.planner.profile import CapacityProfile, DecodePoint, PrefillPoint
 from dynserve.protocol import SamplingParams
+
+if TYPE_CHECKING:  # the engine loads with the command, not with dynctl's parser
+    from dynserve.engine.core import EngineCore
 
 __all__ = ["PointPlan", "add_profile_arguments", "measure", "profile"]
 
