@@ -373,6 +373,7 @@ def test_a_vllm_pool_gets_the_flags_dynctl_serve_gives_vllm() -> None:
 def test_the_head_runs_a_ray_head_without_cpus_then_dynctl_serve() -> None:
     script = pod_command("head")[-1]
     assert "ray start" in script and "--head" in script and "--num-cpus=0" in script
+    assert "'--system-config={\"worker_niceness\":0}'" in script  # the cluster's workers start at niceness 0
     assert script.rstrip().endswith('exec dynctl serve --ray-address="$POD_IP:6379"')
     assert labels("smol", "head")["app.kubernetes.io/instance"] == "smol"
 

@@ -22,6 +22,7 @@ from dynserve.errors import PoolError
 from dynserve.gateway.directory import membership_changes
 from dynserve.protocol import WorkerInfo
 from dynserve.workers.pool import PoolPolicy, RestartPolicy, worker_resources
+from dynserve.workers.ray_start import worker_runtime_env
 
 MODEL = "SmolLM2-135M-Instruct"
 NAMESPACE = "pooltest"  # its own registry and event stream: other tests' workers stay out of this pool's view
@@ -283,9 +284,12 @@ def test_an_added_worker_becomes_routable(pool: tuple[_LoopThread, Any], pool_ga
     assert info.worker_id == "pt-2"
     assert exports == []  # launching a worker did not export (hash every method of) the class again
     _wait_until(lambda: "pt-2" in members.directory.routable_ids(), 1.0, "the new worker becoming routable")
-    # the process never ran at Ray's niceness of 15 (its start is what a scale-up waits for)
+    # the process never ran at Ray's niceness of 15 (its start is what a scale-up waits for), which the test
+    # Ray's system config says, as every Ray dynserve starts: the actor carried no runtime env (whose
+    # setup_worker would have cost its start one more import of ray)
     niceness = worker_pool.handle("pt-2").__ray_call__.remote(lambda _w: os.getpriority(os.PRIO_PROCESS, 0))
     assert ray.get(niceness, timeout=30) == 0
+    assert worker_runtime_env() is None
     for i in range(3):  # round robin over three workers: one of these goes to the new one
         assert _chat(pool_gateway, f"Say {i}.").status_code == 200
     assert members.num_routed["pt-2"] >= 1
