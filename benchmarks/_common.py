@@ -27,10 +27,10 @@ def start_local_ray(**kwargs: Any) -> None:
     environment), started at niceness 0 by its system config."""
     import ray
 
-    from dynserve.config import RAY_SYSTEM_CONFIG
+    from dynserve.config import ray_system_config
 
     os.environ["DYN_ADVERTISE_HOST"] = "127.0.0.1"
-    ray.init(_system_config=RAY_SYSTEM_CONFIG, **kwargs)
+    ray.init(_system_config=ray_system_config(), **kwargs)
 
 
 def log(message: str) -> None:

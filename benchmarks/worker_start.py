@@ -1,5 +1,5 @@
 """What a worker's start costs Ray's side: mocker workers launched one at a time (`launch_mocker`, as a pool
-scaling up does), on a local Ray as dynserve starts one (`config.RAY_SYSTEM_CONFIG`: workers at niceness 0
+scaling up does), on a local Ray as dynserve starts one (`config.ray_system_config`: workers at niceness 0
 by its config, so the actors carry no runtime env) and, as the baseline in the same run, on a local Ray as a
 user might start one (no system config: each actor then carries its niceness in a runtime env, and Ray
 starts it through its setup_worker). Each launch is timed from the call to its `WorkerInfo`, and the actor
@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from benchmarks._common import git_commit, log, machine_info, write_result
-from dynserve.config import RAY_SYSTEM_CONFIG, Settings
+from dynserve.config import Settings, ray_system_config
 from dynserve.workers.worker import launch_mocker
 
 KINDS = ("config", "env")  # dynserve's Ray; a Ray without its system config
@@ -38,7 +38,7 @@ def one_round(kind: str, num_workers: int) -> list[dict[str, float]]:
     os.environ["DYN_ADVERTISE_HOST"] = "127.0.0.1"
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray.init(num_cpus=8, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             _temp_dir=temp_dir, **({"_system_config": RAY_SYSTEM_CONFIG} if kind == "config" else {}))
+             _temp_dir=temp_dir, **({"_system_config": ray_system_config()} if kind == "config" else {}))
     try:
         time.sleep(3)  # Ray's own processes finish starting before the first launch
         settings = Settings(mocker="cpu", port=0)

@@ -338,10 +338,10 @@ def ray_instance(request: pytest.FixtureRequest) -> Any:
     # --ray-address`) schedule theirs beside it; with two, a file that ran after others on the same xdist
     # worker could wait for CPUs forever (Ray also starts as many worker processes at once as it has CPUs).
     # workers at niceness 0 by the system config, as every Ray dynserve starts (`dynserve.workers.ray_start`)
-    from dynserve.config import RAY_SYSTEM_CONFIG
+    from dynserve.config import ray_system_config
 
     ray.init(num_cpus=8, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             _temp_dir=temp_dir, _system_config=RAY_SYSTEM_CONFIG)
+             _temp_dir=temp_dir, _system_config=ray_system_config())
     yield ray
     _shutdown_ray(ray)
     shutil.rmtree(temp_dir, ignore_errors=True)

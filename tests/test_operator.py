@@ -371,6 +371,9 @@ def test_a_vllm_pool_gets_the_flags_dynctl_serve_gives_vllm() -> None:
 
 
 def test_the_head_runs_a_ray_head_without_cpus_then_dynctl_serve() -> None:
+    from dynserve.config import ray_system_config
+
+    ray_system_config()["object_spilling_config"] = "{}"  # as ray.init adds to the config it is given
     script = pod_command("head")[-1]
     assert "ray start" in script and "--head" in script and "--num-cpus=0" in script
     assert "'--system-config={\"worker_niceness\":0}'" in script  # the cluster's workers start at niceness 0

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from dynserve.config import RAY_SYSTEM_CONFIG, Settings
+from dynserve.config import Settings, ray_system_config
 from dynserve.errors import ModelLoadError
 
 __all__ = ["serve", "start_ray", "with_fleet_token"]
@@ -53,7 +53,7 @@ def start_ray(settings: Settings) -> bool:
     if settings.bind_host:
         os.environ["DYN_BIND_HOST"] = settings.bind_host
     ray.init(include_dashboard=False, object_store_memory=256 * 2**20, logging_level=logging.WARNING,
-             log_to_driver=True, _system_config=RAY_SYSTEM_CONFIG)
+             log_to_driver=True, _system_config=ray_system_config())
     return True
 
 

@@ -1,5 +1,5 @@
 """The runtime env of a worker actor (`worker_runtime_env`): none on a Ray whose system config starts its
-workers at niceness 0 (`config.RAY_SYSTEM_CONFIG`, as every Ray dynserve starts), else one that says so.
+workers at niceness 0 (`config.ray_system_config`, as every Ray dynserve starts), else one that says so.
 
 Ray renices every worker process it starts to 15, fit for batch tasks, unless its system config
 (`worker_niceness`) or the process's environment (`RAY_worker_niceness`) says otherwise. A worker's start
