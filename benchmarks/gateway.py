@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plan: Plan = QUICK_PLAN if args.quick else FULL_PLAN
     settings = Settings(dtype="float32", device="cpu", num_threads=threads, seed=args.seed, port=0)
     start = time.perf_counter()
-    start_local_ray(num_cpus=threads, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=threads, object_store_memory=80 * 2**20, include_dashboard=False,
+                    log_to_driver=False)
     handle, info_ref = launch_worker(settings, "bench", num_cpus=1)
     engine = LLMEngine(settings)
     info = ray.get(info_ref)

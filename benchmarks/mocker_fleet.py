@@ -71,8 +71,8 @@ def main() -> None:
 
     used_before_mib = _used_mib()
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    start_local_ray(num_cpus=args.num_cpus, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-                    _temp_dir=temp_dir)
+    start_local_ray(num_cpus=args.num_cpus, object_store_memory=80 * 2**20, include_dashboard=False,
+                    log_to_driver=False, _temp_dir=temp_dir)
     time.sleep(2)
     used_ray_mib = _used_mib()
     start_s = time.monotonic()

@@ -81,9 +81,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ready_s_ratio_config_over_env": medians["config"]["ready_s"] / medians["env"]["ready_s"],
         "cpu_s_ratio_config_over_env": medians["config"]["cpu_s"] / medians["env"]["cpu_s"],
     }
-    log(f"median ready {medians['config']['ready_s']:.2f} s against {medians['env']['ready_s']:.2f} s "
-        f"({result['ready_s_ratio_config_over_env']:.2f}); worker CPU {medians['config']['cpu_s']:.2f} s against "
-        f"{medians['env']['cpu_s']:.2f} s ({result['cpu_s_ratio_config_over_env']:.2f})")
+    config, env = medians["config"], medians["env"]
+    log(f"median ready {config['ready_s']:.2f} s against {env['ready_s']:.2f} s "
+        f"({result['ready_s_ratio_config_over_env']:.2f}); worker CPU {config['cpu_s']:.2f} s against "
+        f"{env['cpu_s']:.2f} s ({result['cpu_s_ratio_config_over_env']:.2f})")
     write_result("worker_start", result)
     return result
 

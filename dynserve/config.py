@@ -14,7 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["DType", "ModelsFileEntry", "Settings", "ray_system_config", "ray_system_config_flag", "read_models_file"]
+__all__ = ["DType", "ModelsFileEntry", "Settings", "ray_system_config", "ray_system_config_flag",
+           "read_models_file"]
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 _GATEWAY: dict[str, Any] = {"group": "gateway"}
@@ -27,10 +28,10 @@ _PLANNER: dict[str, Any] = {"group": "planner"}
 
 
 def ray_system_config() -> dict[str, Any]:
-    """The system config of every Ray dynserve starts (`ray.init(_system_config=...)`; a head node's `ray start
-    --system-config`, which the cluster's other nodes take from it): its worker processes start at niceness
-    0, so no actor needs a runtime env to say so (`workers/ray_start.py`). A new dict each call: `ray.init`
-    adds its own entries (object spilling) to the one it is given."""
+    """The system config of every Ray dynserve starts (`ray.init(_system_config=...)`; a head node's
+    `ray start --system-config`, which the cluster's other nodes take from it): its worker processes start at
+    niceness 0, so no actor needs a runtime env to say so (`workers/ray_start.py`). A new dict each call:
+    `ray.init` adds its own entries (object spilling) to the one it is given."""
     return {"worker_niceness": 0}
 
 

@@ -47,8 +47,8 @@ def start_ray(settings: Settings) -> bool:
         return False
     # Everything runs on this host by construction: workers and the event plane serve on loopback, so a local
     # `dynctl serve` opens no port to the network but the gateway's (--host). The addresses go in this
-    # process's environment, which the Ray processes it starts inherit: a runtime env saying them would start
-    # every worker through Ray's setup_worker (`workers/ray_start.py`), as would one saying the workers' niceness.
+    # process's environment, which the Ray processes it starts inherit: a runtime env saying them would cost
+    # every worker's start (`workers/ray_start.py`), as would one saying the workers' niceness.
     os.environ["DYN_ADVERTISE_HOST"] = settings.advertise_host or "127.0.0.1"
     if settings.bind_host:
         os.environ["DYN_BIND_HOST"] = settings.bind_host

@@ -91,7 +91,8 @@ def pod_command(kind: str, *, head_host: str = "", role: str = "", ray_cpus: flo
     more = "".join(f" {shlex.quote(flag)}" for flag in gateway_flags or [])
     if kind == "head":
         command = "serve" if serve else "gateway"
-        # the cluster's system config comes from its head: workers start at niceness 0 (`config.ray_system_config`)
+        # the cluster's system config comes from its head: its workers start at niceness 0
+        # (`config.ray_system_config`)
         script = (f"{ray} --head --port={RAY_PORT} --num-cpus=0 --include-dashboard=false "
                   f"{shlex.quote(ray_system_config_flag())} && "
                   f"exec dynctl {command} --ray-address=\"$POD_IP:{RAY_PORT}\"{more}")
