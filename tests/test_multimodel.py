@@ -110,6 +110,7 @@ def test_a_model_whose_worker_joins_is_served_within_a_second_and_leaves_with_it
             while third.name not in listed():
                 assert time.monotonic() - joined_s < 1.0, listed()
                 time.sleep(0.05)
+            print(f"the joining model listed {time.monotonic() - joined_s:.3f} s after its worker's banner")
             answer = http.post("/v1/completions", json={"model": third.name, "prompt": "one two", "max_tokens": 4})
             assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
         finally:
