@@ -21,16 +21,17 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def start_local_ray(**kwargs: Any) -> None:
+def start_local_ray(*, with_system_config: bool = True, **kwargs: Any) -> None:
     """`ray.init(**kwargs)` of a local Ray as dynserve starts one (`dynserve.workers.ray_start`): one host by
     construction, so workers serve on loopback (an address the Ray processes inherit from this process's
-    environment), started at niceness 0 by its system config."""
+    environment), started at niceness 0 by its system config (`with_system_config=False`: as a user might
+    start one, without it)."""
     import ray
 
     from dynserve.config import ray_system_config
 
     os.environ["DYN_ADVERTISE_HOST"] = "127.0.0.1"
-    ray.init(_system_config=ray_system_config(), **kwargs)
+    ray.init(**({"_system_config": ray_system_config()} if with_system_config else {}), **kwargs)
 
 
 def log(message: str) -> None:

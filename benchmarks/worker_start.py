@@ -24,8 +24,8 @@ from typing import Any
 
 import psutil
 
-from benchmarks._common import git_commit, log, machine_info, write_result
-from dynserve.config import Settings, ray_system_config
+from benchmarks._common import git_commit, log, machine_info, start_local_ray, write_result
+from dynserve.config import Settings
 from dynserve.workers.worker import launch_mocker
 
 KINDS = ("config", "env")  # dynserve's Ray; a Ray without its system config
@@ -35,10 +35,9 @@ def one_round(kind: str, num_workers: int) -> list[dict[str, float]]:
     """Start a local Ray of `kind`, launch `num_workers` mockers one after another, measure each."""
     import ray
 
-    os.environ["DYN_ADVERTISE_HOST"] = "127.0.0.1"
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    ray.init(num_cpus=8, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False,
-             _temp_dir=temp_dir, **({"_system_config": ray_system_config()} if kind == "config" else {}))
+    start_local_ray(with_system_config=kind == "config", num_cpus=8, object_store_memory=80 * 2**20,
+                    include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
     try:
         time.sleep(3)  # Ray's own processes finish starting before the first launch
         settings = Settings(mocker="cpu", port=0)

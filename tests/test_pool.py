@@ -352,7 +352,7 @@ def test_a_killed_worker_leaves_routing_within_1s_and_is_replaced(pool: tuple[_L
     replacement = _wait_until(lambda: len(worker_pool.workers()) == 2, 180.0, "a replacement serving")
     # a worker under a new id (which one depends on how many the module's earlier tests started)
     (new_id,) = {i.worker_id for i in worker_pool.workers()} - set(survivors)
-    assert new_id not in survivors and new_id.startswith("pt-"), new_id
+    assert new_id.startswith("pt-"), new_id
     _wait_until(lambda: new_id in members.directory.routable_ids(), 1.0, "the replacement becoming routable")
     print(f"replacement serving {replacement:.1f} s after the death was seen")
     worker_pool.policy.check_integrity()

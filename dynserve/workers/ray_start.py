@@ -25,16 +25,16 @@ __all__ = ["worker_runtime_env"]
 
 logger = logging.getLogger(__name__)
 
-_UNNICED_RUNTIME_ENV: dict[str, Any] = {"env_vars": {"RAY_worker_niceness": "0"}}
-
 
 def worker_runtime_env() -> dict[str, Any] | None:
     """The runtime env of a worker actor on the Ray this process is connected to: none where the cluster's
     system config starts workers at niceness 0 (the actor then inherits its job's, if any), else one that
-    says so."""
+    says so (a new dict each call, as Ray may add to what it is given)."""
     import ray
 
-    return None if _starts_workers_unniced(ray.get_runtime_context().gcs_address) else _UNNICED_RUNTIME_ENV
+    if _starts_workers_unniced(ray.get_runtime_context().gcs_address):
+        return None
+    return {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 @functools.cache

@@ -410,12 +410,11 @@ def launch_worker(
             max_concurrency=100, scheduling_strategy="SPREAD", runtime_env=worker_runtime_env(),
         ).remote(settings, worker_id, role, publish_events)
         return handle, handle.start.remote()
-    num_threads = settings.num_threads or os.cpu_count() or 1  # the actor's OMP_NUM_THREADS (its __init__)
-    handle = _actor_class(EngineWorker).options(
+    handle = _actor_class(EngineWorker).options(  # its thread count: its own node's cores unless set (__init__)
         num_cpus=num_cpus, num_gpus=num_gpus, resources=resources or {}, name=f"dynserve-worker-{worker_id}",
         max_concurrency=1000, runtime_env=worker_runtime_env(),
         scheduling_strategy="SPREAD",  # a pool's workers on as many nodes as can take them: a lost node costs few
-    ).remote(settings.model_copy(update={"num_threads": num_threads}), worker_id, role, publish_events)
+    ).remote(settings, worker_id, role, publish_events)
     return handle, handle.start.remote()
 
 
