@@ -324,11 +324,19 @@ def dynctl_serve(ray_cluster: RayCluster, host: Host, *flags: str, timeout_s: fl
     try:
         yield f"http://{host.ip}:{match.group(1)}"
     finally:
-        code = _stop(process)
-        reader.join(10)
-        process.stderr.close()  # type: ignore[union-attr]
+        stopping_s = time.monotonic()
+        try:
+            code = _stop(process)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            reader.join(10)
+            process.stderr.close()  # type: ignore[union-attr]
+    if code is None:
+        raise RuntimeError(f"dynctl serve did not exit within 30 s of Ctrl-C (killed):\n{''.join(lines)[-4000:]}")
     if code != 0:
         raise RuntimeError(f"dynctl serve exited {code}:\n{''.join(lines)[-4000:]}")
+    print(f"dynctl serve on {host.name} stopped in {time.monotonic() - stopping_s:.2f} s", file=sys.stderr)
 
 
 def _stop(process: HostProcess) -> int:
