@@ -95,11 +95,18 @@ BF16_LOGIT_ATOL = 1.5
 
 @pytest.fixture(scope="module")
 def bf16_logits(prompts) -> dict[str, list[torch.Tensor]]:  # type: ignore[no-untyped-def]
-    """Last-token logits of the parity prompts from bf16 engines: the native CPU ops and eager torch."""
+    """Last-token logits of the parity prompts from bf16 engines: the native CPU ops and eager torch. On a CPU
+    without AVX512-BF16 only the three shortest (up to about 170 tokens): both engines' linears are then
+    torch's bf16 GEMM, about 6x float32's time (the 385- and 796-token prompts took 31 of the fixture's 39 s
+    of prefill on a 2-core AMD EPYC without AVX-512), and what the long prompts add there is torch's own
+    rounding over long sums; the float32 parity above covers long prompts on every CPU."""
     from dynserve.config import Settings
-    from dynserve.engine.kernels import cpu_ops
+    from dynserve.engine.kernels import cpu_native, cpu_ops
     from dynserve.engine.llm_engine import LLMEngine, load_model
 
+    kernels = cpu_native.load()
+    if kernels is None or not kernels.has_avx512_bf16():
+        prompts = prompts[:3]
     out: dict[str, Any] = {}
     for native in (True, False):
         cpu_ops.USE_NATIVE_OPS = native
@@ -120,7 +127,7 @@ def test_bf16_logits_stay_near_hf_fp32_and_pick_its_tokens(bf16_logits, hf_last_
     assert set(bf16_logits) == {"native-bf16", "torch", "native-bf16 generated"}
     for name in ("native-bf16", "torch"):
         logits = bf16_logits[name]
-        for i, (ours, ref) in enumerate(zip(logits, hf_last_logits, strict=True)):
+        for i, (ours, ref) in enumerate(zip(logits, hf_last_logits[:len(logits)], strict=True)):
             err = (ours - ref).abs().max().item()
             assert err < BF16_LOGIT_ATOL, f"{name}, prompt {i}: max |logit error| {err:.3f}"
             top2 = ref.topk(2).values

@@ -193,22 +193,17 @@ def _tiny_llama_engine() -> tuple[str, Any]:
     return path, LLMEngine(Settings(model=path, dtype="float32", device="cpu", kv_blocks=256))
 
 
-# The real model over NIXL (what `--transfer-backend auto` picks): the one test of the suite that serves it across
-# hosts. TCP over the tiny Llama: its pages cross hosts as the real model's would, and its workers start and
-# decode in a fraction of the real model's time.
-@pytest.mark.parametrize("backend", [pytest.param("nixl", marks=pytest.mark.model), "tcp"])
-def test_disaggregated_decode_reads_pages_across_hosts(fleet: tuple[Hosts, RayCluster], backend: str,
-                                                       request: pytest.FixtureRequest) -> None:
+# NIXL (what `--transfer-backend auto` picks) and TCP, both over the tiny Llama: its pages cross hosts as the
+# real model's would (the same layers, KV heads and bytes a block), and its workers start and decode in a
+# fraction of the real model's time (the NIXL case took 40 s with the real model in a clean clone, 2026-11-29).
+@pytest.mark.parametrize("backend", ["nixl", "tcp"])
+def test_disaggregated_decode_reads_pages_across_hosts(fleet: tuple[Hosts, RayCluster], backend: str) -> None:
     from dynserve.model.resolve import model_id_of
 
     hosts, _cluster = fleet
     a, b, c = hosts[0], hosts[1], hosts[2]
-    if backend == "nixl":
-        model, model_flags = MODEL, []
-        engine = request.getfixturevalue("make_engine")(kv_blocks=256)  # the aggregated reference
-    else:
-        path, engine = _tiny_llama_engine()
-        model, model_flags = model_id_of(Path(path)), ["--model", path]
+    path, engine = _tiny_llama_engine()
+    model, model_flags = model_id_of(Path(path)), ["--model", path]
     expected = [engine.generate([p], SamplingParams(max_tokens=12, temperature=0))[0].text for p in PROMPTS]
     flags = ["--prefill-workers", "1", "--decode-workers", "1", "--kv-blocks", "256", "--transfer-backend", backend,
              "--disagg-local-prefill-tokens", "0", "--dtype", "float32", *model_flags]
