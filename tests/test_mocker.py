@@ -102,12 +102,21 @@ def test_step_time_follows_the_profile_and_the_speedup(tokenizer: Tokenizer) -> 
     expected_s = (profile.step_time_ms(prefill) + sum(map(profile.step_time_ms, decodes))) / 1e3
     for speedup in (1.0, 4.0):
         engine = _engine(tokenizer, profile, mocker_speedup=speedup)
-        start = time.monotonic()
+        start, waited_before_s = time.monotonic(), _runqueue_wait_s()
         results = engine.generate(prompts, params)
-        elapsed_s = time.monotonic() - start
+        elapsed_s, waited_s = time.monotonic() - start, _runqueue_wait_s() - waited_before_s
         assert [len(r.token_ids) for r in results] == [6] * 4 and engine.stats.num_steps == 6
         assert engine.simulated_busy_s == pytest.approx(expected_s / speedup, rel=1e-6)
-        assert expected_s / speedup * 0.95 <= elapsed_s <= expected_s / speedup * 1.5 + 0.05, (speedup, elapsed_s)
+        # at most half as long again, plus the time this thread was kept from a busy machine's CPUs (a clean
+        # clone's run took 0.205 s over a 0.075 s answer while the other test worker ran)
+        assert expected_s / speedup * 0.95 <= elapsed_s <= expected_s / speedup * 1.5 + 0.05 + waited_s, \
+            (speedup, elapsed_s, waited_s)
+
+
+def _runqueue_wait_s() -> float:
+    """Seconds this thread has spent runnable but waiting for a CPU (the scheduler's count, Linux)."""
+    with open("/proc/thread-self/schedstat") as stats:
+        return int(stats.read().split()[1]) / 1e9
 
 
 class _ListSink:

@@ -240,12 +240,19 @@ def test_a_manual_override_holds_until_released(fleet: str, prometheus_url: list
         time.sleep(3 * INTERVAL_S)  # idle, yet the override holds
         state = http.get(f"{fleet}/planner").json()
         assert state["targets"]["both"] == 2 and state["last_decision"]["reasons"]["both"] == "override"
-        # the planner's dashboard: every query is valid PromQL here, and what an override shows has data
+        # the planner's dashboard: every query is valid PromQL here, and what an override shows has data once
+        # Prometheus has scraped it (every second; a busy machine can hold a scrape back)
+        wanted = ("Workers wanted by pool", "Workers serving by pool", "Overrides in force")
+        deadline_s = time.monotonic() + 20
         with PrometheusClient(prometheus_url[0]) as prometheus:
-            answered = {title: prometheus.query(expand_variables(expr))
-                        for title, expr in panel_queries(build_all()["dynserve-planner"])}
-        for title in ("Workers wanted by pool", "Workers serving by pool", "Overrides in force"):
-            assert answered[title], (title, answered)
+            while True:
+                answered = {title: prometheus.query(expand_variables(expr))
+                            for title, expr in panel_queries(build_all()["dynserve-planner"])}
+                if all(answered[title] for title in wanted):
+                    break
+                assert time.monotonic() < deadline_s, ([t for t in wanted if not answered[t]], answered,
+                                                       prometheus.targets())
+                time.sleep(0.5)
         assert http.delete(f"{fleet}/planner/pools/both").json()["overrides"] == {}
         metrics = http.get(f"{fleet}/metrics").text
         assert f'dynserve_planner_workers_target{{model="{MODEL}",pool="both"}}' in metrics
