@@ -38,6 +38,11 @@ os.environ.setdefault("DYN_ADVERTISE_HOST", "127.0.0.1")
 # has work: two heavy test files side by side took 2 min 8 s spinning, 55 s with waiting threads asleep.
 # Set before torch is imported anywhere; Ray's workers and `dynctl serve` inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Ray's log monitor (one per Ray node the tests start) looks for new worker log files every 0.1 s while there
+# are under 1,000 of them: with the 146 files of 40 actors it took 3.2% of a core, for logs no test reads
+# (`log_to_driver=False`). Asked to look every 5 s, 1.3%.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+os.environ.setdefault("LOG_NAME_UPDATE_INTERVAL_S", "5")
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -113,13 +118,14 @@ def _needs_of(item: pytest.Item) -> set[str]:
 # The test files that cost most, slowest first (docs/testing.md): run first, so that with several workers
 # (`-n`) the long ones start at once and the short ones fill in at the end.
 SLOWEST_FIRST = [
-    "test_multihost.py", "test_hf_parity.py", "test_structured_output.py", "test_gateway.py",
-    "test_packaging.py", "test_planner_live.py", "test_architectures.py", "test_disagg.py", "test_pool.py",
-    "test_operator_pods.py", "test_mocker.py", "test_accelerator_path.py", "test_deploy_cli.py",
-    "test_observability.py", "test_vllm_worker.py", "test_cli_serve.py", "test_structured_corpus.py",
-    "test_tokenizer.py", "test_routing.py", "test_multimodel.py", "test_engine.py", "test_fuzz.py",
-    "test_events.py", "test_gguf_tokenizers.py", "test_peer_pulls.py", "test_triton_kernels.py",
-    "test_http_limits.py", "test_security.py", "test_recovery.py", "test_migration.py",
+    "test_multihost.py", "test_hf_parity.py", "test_structured_output.py", "test_packaging.py", "test_gateway.py",
+    "test_planner_live.py", "test_operator_pods.py", "test_disagg.py", "test_architectures.py",
+    "test_accelerator_path.py", "test_observability.py", "test_mocker.py", "test_vllm_worker.py", "test_pool.py",
+    "test_deploy_cli.py", "test_events.py", "test_engine.py", "test_multimodel.py", "test_structured_corpus.py",
+    "test_gguf_tokenizers.py", "test_cli_serve.py", "test_fuzz.py", "test_tokenizer.py", "test_routing.py",
+    "test_peer_pulls.py", "test_router_index.py", "test_checkov.py", "test_helm_chart.py", "test_loader.py",
+    "test_suite.py", "test_security.py", "test_recovery.py", "test_migration.py", "test_http_limits.py",
+    "test_kv_transfer.py", "test_triton_kernels.py",
 ]
 
 
@@ -403,12 +409,13 @@ def client(gateway: Any) -> Any:
 
 # ---- mockers: simulated workers (no model) on the session's Ray -------------------------------------
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 @needs("fleet")
 def make_mocker(ray_instance: Any) -> Any:
     """Start a mocker worker actor: make_mocker("m0", mocker_speedup=10, kv_blocks=256) -> (handle, WorkerInfo);
     `role="prefill"` or `"decode"` for disaggregated serving.
-    Mockers publish their KV events on the embedded event plane; all are killed at the end of the session."""
+    Mockers publish their KV events on the embedded event plane; a module's are killed at its end (an idle
+    actor still costs about 1% of a core, and a session-long mocker idled through most of the run)."""
     from dynserve.workers.worker import launch_mocker
 
     handles = []
