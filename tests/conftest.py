@@ -118,14 +118,15 @@ def _needs_of(item: pytest.Item) -> set[str]:
 # The test files that cost most, slowest first (docs/testing.md): run first, so that with several workers
 # (`-n`) the long ones start at once and the short ones fill in at the end.
 SLOWEST_FIRST = [
-    "test_multihost.py", "test_hf_parity.py", "test_structured_output.py", "test_packaging.py", "test_gateway.py",
-    "test_planner_live.py", "test_operator_pods.py", "test_disagg.py", "test_architectures.py",
-    "test_accelerator_path.py", "test_observability.py", "test_mocker.py", "test_vllm_worker.py", "test_pool.py",
-    "test_deploy_cli.py", "test_events.py", "test_engine.py", "test_multimodel.py", "test_structured_corpus.py",
-    "test_gguf_tokenizers.py", "test_cli_serve.py", "test_fuzz.py", "test_tokenizer.py", "test_routing.py",
-    "test_peer_pulls.py", "test_router_index.py", "test_checkov.py", "test_helm_chart.py", "test_loader.py",
-    "test_suite.py", "test_security.py", "test_recovery.py", "test_migration.py", "test_http_limits.py",
-    "test_kv_transfer.py", "test_triton_kernels.py",
+    "test_multihost.py", "test_hf_parity.py", "test_structured_output.py", "test_packaging.py",
+    "test_gateway.py", "test_planner_live.py", "test_operator_pods.py", "test_disagg.py",
+    "test_architectures.py", "test_accelerator_path.py", "test_observability.py", "test_mocker.py",
+    "test_vllm_worker.py", "test_pool.py", "test_deploy_cli.py", "test_events.py", "test_engine.py",
+    "test_multimodel.py", "test_structured_corpus.py", "test_gguf_tokenizers.py", "test_cli_serve.py",
+    "test_fuzz.py", "test_tokenizer.py", "test_routing.py", "test_peer_pulls.py", "test_router_index.py",
+    "test_checkov.py", "test_helm_chart.py", "test_loader.py", "test_suite.py", "test_security.py",
+    "test_recovery.py", "test_migration.py", "test_http_limits.py", "test_kv_transfer.py",
+    "test_triton_kernels.py",
 ]
 
 

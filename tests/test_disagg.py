@@ -207,8 +207,8 @@ GATEWAY_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[6], PROMPTS[9]]
 # A tiny random-weight Llama with the real model's vocabulary and its KV geometry (30 layers, 3 KV heads of 64,
 # fp32: 737,280 bytes a block), so NIXL moves the bytes the real model's pages would; its embeddings untied, so
 # its greedy tokens follow the context and a wrong page shows in them. Its workers start as the real model's do
-# (the process, torch, Ray), and decode in a fraction of its time. A tiny Llama's pages cross hosts over NIXL and
-# TCP in test_multihost.py.
+# (the process, torch, Ray), and decode in a fraction of its time. A tiny Llama's pages cross hosts over
+# NIXL and TCP in test_multihost.py.
 TINY_LLAMA = {"hidden_size": 96, "num_hidden_layers": 30, "num_attention_heads": 3, "num_key_value_heads": 3,
               "head_dim": 64, "tie_word_embeddings": False}
 PAIR = {"dtype": "float32", "device": "cpu", "kv_blocks": 256, "num_threads": 1, "namespace": "disagg-nixl",

@@ -195,7 +195,8 @@ def _tiny_llama_engine() -> tuple[str, Any]:
 
 # NIXL (what `--transfer-backend auto` picks) and TCP, both over the tiny Llama: its pages cross hosts as the
 # real model's would (the same layers, KV heads and bytes a block), and its workers start and decode in a
-# fraction of the real model's time (the NIXL case took 40 s with the real model in a clean clone, 2026-11-29).
+# fraction of the real model's time (the NIXL case took 40 s with the real model in a clean clone,
+# 2026-11-29).
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])
 def test_disaggregated_decode_reads_pages_across_hosts(fleet: tuple[Hosts, RayCluster], backend: str) -> None:
     from dynserve.model.resolve import model_id_of
