@@ -332,11 +332,9 @@ def dynctl_serve(ray_cluster: RayCluster, host: Host, *flags: str, timeout_s: fl
         finally:
             reader.join(10)
             process.stderr.close()  # type: ignore[union-attr]
-    if code is None:
-        log = "".join(lines)[-4000:]
-        raise RuntimeError(f"dynctl serve did not exit within 30 s of Ctrl-C (killed):\n{log}")
     if code != 0:
-        raise RuntimeError(f"dynctl serve exited {code}:\n{''.join(lines)[-4000:]}")
+        why = "did not exit within 30 s of Ctrl-C (killed)" if code is None else f"exited {code}"
+        raise RuntimeError(f"dynctl serve {why}:\n{''.join(lines)[-4000:]}")
     print(f"dynctl serve on {host.name} stopped in {time.monotonic() - stopping_s:.2f} s", file=sys.stderr)
 
 

@@ -182,15 +182,18 @@ TINY_LLAMA = {"hidden_size": 96, "num_hidden_layers": 30, "num_attention_heads":
               "head_dim": 64, "tie_word_embeddings": False, "initializer_range": 0.3}
 
 
-def _tiny_llama_engine() -> tuple[str, Any]:
-    """The tiny Llama's path and an aggregated engine over it, on this machine's own loopback."""
+@pytest.fixture(scope="module")
+def tiny_llama() -> tuple[str, list[str]]:
+    """The tiny Llama's path and its greedy answers to `PROMPTS` from an aggregated engine in this process
+    (the reference both transfer backends must match)."""
     from _tiny_models import tiny_model
 
     from dynserve.config import Settings
     from dynserve.engine.llm_engine import LLMEngine
 
     path = str(tiny_model("llama", **TINY_LLAMA))
-    return path, LLMEngine(Settings(model=path, dtype="float32", device="cpu", kv_blocks=256))
+    engine = LLMEngine(Settings(model=path, dtype="float32", device="cpu", kv_blocks=256))
+    return path, [engine.generate([p], SamplingParams(max_tokens=12, temperature=0))[0].text for p in PROMPTS]
 
 
 # NIXL (what `--transfer-backend auto` picks) and TCP, both over the tiny Llama: its pages cross hosts as the
@@ -198,14 +201,14 @@ def _tiny_llama_engine() -> tuple[str, Any]:
 # fraction of the real model's time (the NIXL case took 40 s with the real model in a clean clone,
 # 2026-11-29).
 @pytest.mark.parametrize("backend", ["nixl", "tcp"])
-def test_disaggregated_decode_reads_pages_across_hosts(fleet: tuple[Hosts, RayCluster], backend: str) -> None:
+def test_disaggregated_decode_reads_pages_across_hosts(fleet: tuple[Hosts, RayCluster], backend: str,
+                                                       tiny_llama: tuple[str, list[str]]) -> None:
     from dynserve.model.resolve import model_id_of
 
     hosts, _cluster = fleet
     a, b, c = hosts[0], hosts[1], hosts[2]
-    path, engine = _tiny_llama_engine()
+    path, expected = tiny_llama
     model, model_flags = model_id_of(Path(path)), ["--model", path]
-    expected = [engine.generate([p], SamplingParams(max_tokens=12, temperature=0))[0].text for p in PROMPTS]
     flags = ["--prefill-workers", "1", "--decode-workers", "1", "--kv-blocks", "256", "--transfer-backend", backend,
              "--disagg-local-prefill-tokens", "0", "--dtype", "float32", *model_flags]
     with serving(fleet, *flags) as url:

@@ -243,11 +243,12 @@ def test_a_manual_override_holds_until_released(fleet: str, prometheus_url: list
         # the planner's dashboard: every query is valid PromQL here, and what an override shows has data once
         # Prometheus has scraped it (every second; a busy machine can hold a scrape back)
         wanted = ("Workers wanted by pool", "Workers serving by pool", "Overrides in force")
+        queries = [(title, expand_variables(expr))
+                   for title, expr in panel_queries(build_all()["dynserve-planner"])]
         deadline_s = time.monotonic() + 20
         with PrometheusClient(prometheus_url[0]) as prometheus:
             while True:
-                answered = {title: prometheus.query(expand_variables(expr))
-                            for title, expr in panel_queries(build_all()["dynserve-planner"])}
+                answered = {title: prometheus.query(expr) for title, expr in queries}
                 if all(answered[title] for title in wanted):
                     break
                 assert time.monotonic() < deadline_s, ([t for t in wanted if not answered[t]], answered,

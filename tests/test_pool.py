@@ -261,8 +261,8 @@ def _members(gateway: Any) -> Any:
 
 
 def _model(gateway: Any) -> str:
-    """The name the gateway serves its model under."""
-    return httpx.get(f"{gateway.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    """The id the gateway serves its model under."""
+    return _members(gateway).model_id  # type: ignore[no-any-return]
 
 
 def _wait_until(condition: Any, timeout_s: float, what: str) -> float:
