@@ -28,10 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -101,24 +103,92 @@ def reset_caches(servers: list[VllmServer]) -> None:
         response.raise_for_status()
 
 
+# vLLM's series read from each server around a phase (counters: the phase's delta) and sampled during it
+_COUNTERS = ("request_success_total", "prompt_tokens_total", "prefix_cache_queries_total",
+             "prefix_cache_hits_total", "num_preemptions_total")
+_GAUGES = ("num_requests_running", "num_requests_waiting")
+_SERIES = re.compile(r"^vllm:(" + "|".join(_COUNTERS + _GAUGES) + r")\{[^}]*\} ([0-9.eE+-]+)$", re.M)
+
+
+def server_series(server: VllmServer) -> dict[str, float]:
+    """`_COUNTERS` and `_GAUGES` of one server's `/metrics`."""
+    return parse_series(httpx.get(f"http://127.0.0.1:{server.port}/metrics", timeout=10).text)
+
+
+def parse_series(text: str) -> dict[str, float]:
+    """`_COUNTERS` and `_GAUGES` of a vLLM `/metrics` page, each summed over its label sets (0 if absent)."""
+    out = dict.fromkeys(_COUNTERS + _GAUGES, 0.0)
+    for name, value in _SERIES.findall(text):
+        out[name] += float(value)
+    return out
+
+
+class QueueSampler(threading.Thread):
+    """Samples each server's running and waiting requests every `interval_s` while a phase plays: the
+    queue each front end's choices left on each worker, which per-request latencies alone do not show."""
+
+    def __init__(self, servers: list[VllmServer], interval_s: float = 0.5) -> None:
+        super().__init__(daemon=True)
+        self.servers, self.interval_s = servers, interval_s
+        self.samples: list[list[tuple[float, float]]] = []  # per sample: (running, waiting) per server
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval_s):
+            try:
+                series = [server_series(s) for s in self.servers]
+            except httpx.HTTPError:
+                continue
+            self.samples.append([(s["num_requests_running"], s["num_requests_waiting"]) for s in series])
+
+    def stop(self) -> dict[str, float]:
+        """Stops sampling; the time means: each server's requests in it, the |difference| between the two
+        busiest and idlest, and the share of samples with one server idle while another has two or more."""
+        self._stop_event.set()
+        self.join()
+        if not self.samples:
+            return {}
+        totals = [[running + waiting for running, waiting in sample] for sample in self.samples]
+        return {"queue_mean_by_worker": [statistics.fmean(t[i] for t in totals) for i in range(len(self.servers))],
+                "queue_imbalance_mean": statistics.fmean(max(t) - min(t) for t in totals),
+                "waiting_mean": statistics.fmean(sum(w for _, w in sample) for sample in self.samples),
+                "one_idle_share": sum(1 for t in totals if min(t) == 0 and max(t) >= 2) / len(totals)}
+
+
 def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end_pid: int,
               servers: list[VllmServer]) -> dict[str, Any]:
     """The plan played through the front end on `port`; with the CPU seconds the front end's processes and
-    the vLLM servers' (API server and engine core) spent over the phase: on two shared cores, what a front end
-    burns is taken from the engines."""
+    the vLLM servers' (API server and engine core) spent over the phase (on two shared cores, what a front end
+    burns is taken from the engines), and per worker what it was given: requests, prompt tokens, the tokens
+    it prefilled (not cache hits) and the queue it held over time."""
     workload = plan.workload(seed, speedup=1.0)
     start_s = time.monotonic()
     cpu_before = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
+    series_before = [server_series(s) for s in servers]
+    sampler = QueueSampler(servers)
+    sampler.start()
     results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
+    queues = sampler.stop()
     cpu_after = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
+    deltas = [{key: after[key] - before[key] for key in _COUNTERS}
+              for before, after in zip(series_before, (server_series(s) for s in servers))]
     summary = summarize(results, block_size=BLOCK_SIZE)
     summary.update(num_retries=num_retries, wall_s=time.monotonic() - start_s,
-                   front_end_cpu_s=cpu_after[0] - cpu_before[0], vllm_cpu_s=cpu_after[1] - cpu_before[1])
+                   front_end_cpu_s=cpu_after[0] - cpu_before[0], vllm_cpu_s=cpu_after[1] - cpu_before[1],
+                   requests_by_worker=[d["request_success_total"] for d in deltas],
+                   prefilled_tokens_by_worker=[d["prefix_cache_queries_total"] - d["prefix_cache_hits_total"]
+                                               for d in deltas],
+                   prompt_tokens_by_worker=[d["prompt_tokens_total"] for d in deltas],
+                   preemptions=sum(d["num_preemptions_total"] for d in deltas), **queues)
     log(f"{name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms, cache hit "
         f"{summary['cache_hit']:.2f}, history hit {summary['history_hit']}, {summary['turns']} turns in "
         f"{summary['wall_s']:.0f} s; TTFT p50 by turn (ms): "
         + ", ".join(f"{t:.0f}" for t in summary["ttft_p50_ms_by_turn"])
-        + f"; CPU front end {summary['front_end_cpu_s']:.1f} s, vLLM {summary['vllm_cpu_s']:.1f} s")
+        + f"; CPU front end {summary['front_end_cpu_s']:.1f} s, vLLM {summary['vllm_cpu_s']:.1f} s; per worker: "
+        f"requests {summary['requests_by_worker']}, prefilled tokens {summary['prefilled_tokens_by_worker']}, "
+        f"mean queue {[round(q, 2) for q in summary.get('queue_mean_by_worker', [])]}, mean |imbalance| "
+        f"{summary.get('queue_imbalance_mean', 0):.2f}, waiting {summary.get('waiting_mean', 0):.2f}, one idle "
+        f"while the other has 2+ {summary.get('one_idle_share', 0):.2f}, preemptions {summary['preemptions']:.0f}")
     return summary
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
 from benchmarks._dynctl import tree_cpu_s
-from benchmarks.engines import PHASES, phase_order
+from benchmarks.engines import PHASES, parse_series, phase_order
 
 
 def test_each_phase_comes_first_and_last_once_in_three_runs() -> None:
@@ -19,6 +20,15 @@ def test_each_phase_comes_first_and_last_once_in_three_runs() -> None:
     assert sorted(order[0] for order in orders) == sorted(PHASES)
     assert sorted(order[-1] for order in orders) == sorted(PHASES)
     assert phase_order(0) == PHASES == phase_order(3)
+
+
+def test_vllm_series_are_summed_over_their_label_sets() -> None:
+    # recorded from vLLM 0.32.0 after three requests: two stopped by length, one by a stop condition
+    series = parse_series((Path(__file__).parent / "fixtures" / "vllm" / "0.32.0" / "metrics.txt").read_text())
+    assert series["request_success_total"] == 3.0
+    assert (series["prompt_tokens_total"], series["prefix_cache_queries_total"]) == (139.0, 139.0)
+    assert series["prefix_cache_hits_total"] == 32.0
+    assert series["num_requests_running"] == series["num_requests_waiting"] == 0.0
 
 
 def test_a_process_trees_cpu_counts_its_childrens_work() -> None:
