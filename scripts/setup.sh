@@ -41,7 +41,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     touch "$wheels/complete"
   fi
   # The installer: uv where it can be had (once per machine, beside the wheelhouse), pip otherwise. From the
-  # same wheelhouse uv installed torch in 3 s and the pins in 9 s where pip took 9 s and 42 s (2 cores):
+  # same wheelhouse uv installed torch in 3 s and the pins in 9-11 s where pip took 9 s and 42 s (2 cores):
   # it unpacks in parallel and links files from its cache. Neither compiles: compileall below does, on both
   # cores, and only what the suite's processes import.
   uv="$wheels_root/uv-$UV_VERSION/uv"
