@@ -4,13 +4,14 @@ percentiles, and writing the result JSON (last stdout line plus a file under `be
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,23 @@ def write_result(name: str, result: Mapping[str, Any], output: Path | None = Non
     log(f"wrote {path}")
     print(text, flush=True)
     return path
+
+
+@contextlib.contextmanager
+def client_priority(niceness: int = -10) -> Iterator[int | None]:
+    """Runs the calling thread (and the threads it starts meanwhile) at `niceness`, then restores it: a load
+    generator on the machine of the fleet it measures, at the fleet's priority, is starved when the fleet
+    saturates the cores, and its late sends and late reads count against the fleet (on two cores a replay's
+    client stalled for 1-4 s at a time). Yields the niceness in force, or None where it could not be raised
+    (not root): then the client runs as before, and the result says so."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux the calling thread's
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    except PermissionError:
+        log(f"client priority: cannot set niceness {niceness} (not root); the client runs at {before}")
+        yield None
+        return
+    try:
+        yield niceness
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import log, percentile
+from benchmarks._common import client_priority, log, percentile
 from benchmarks._dynctl import dynctl_serve, scrape_counters
 from benchmarks._multimodel_trace import (
     Sizing,
@@ -123,6 +123,7 @@ class FleetRun:
     server_cpu_cores: float
     load_avg_1m_after: float | None = None  # the machine's, as the replay ended: other work shares the cores
     requeues: float | None = None  # requests handed back unstarted to a joining worker (the gateway's count)
+    client_niceness: int | None = None  # the replay's (`client_priority`); None: the fleet's own
     samples: list[tuple[float, dict[str, dict[str, int]], dict[str, dict[str, int]]]] = field(default_factory=list)
     decisions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -137,7 +138,7 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
         asyncio.run(warm_up(server.port, workload.warm_up_bodies))
         cpu_before_s, start_s = server.cpu_s(), time.monotonic()
         poller = ModelsPoller(server.port, start_s) if poll else contextlib.nullcontext()
-        with poller:
+        with client_priority() as niceness, poller:  # the poller's thread starts at the client's priority
             results = asyncio.run(replay(server.port, workload, 1.0, max(60.0, workload.duration_s / 2)))
         wall_s = time.monotonic() - start_s
         cpu_cores = (server.cpu_s() - cpu_before_s) / wall_s
@@ -147,7 +148,7 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
         if any(r.error for r in results):
             log(f"{label}: {sum(bool(r.error) for r in results)} requests failed; the server's log ends:\n"
                 f"{server.log_tail()}")
-    run = FleetRun(results, ready_s, wall_s, cpu_cores, os.getloadavg()[0], requeues)
+    run = FleetRun(results, ready_s, wall_s, cpu_cores, os.getloadavg()[0], requeues, niceness)
     if isinstance(poller, ModelsPoller):
         run.samples, run.decisions = poller.model_samples, poller.model_decisions
     return run
@@ -179,7 +180,7 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
             window_s, 99),
         "send_lag_p99_real_ms": percentile(lags, 99), "server_cpu_cores": run.server_cpu_cores,
         "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s, "load_avg_1m_after": run.load_avg_1m_after,
-        "num_missed": len(met) - sum(met), "requeues": run.requeues,
+        "num_missed": len(met) - sum(met), "requeues": run.requeues, "client_niceness": run.client_niceness,
         "num_missed_ttft": sum(not t for t, _ in met_pairs), "num_missed_itl": sum(not i for _, i in met_pairs),
     }
 

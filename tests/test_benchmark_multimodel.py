@@ -315,3 +315,22 @@ def test_the_quick_plan_is_short_and_the_flags_change_the_planner_half() -> None
     changed = turns_plan(parse_args(["--turn-models", "6", "--phase-s", "25", "--planner-window-s", "4"]))
     assert (changed.shape.num_models, changed.shape.phase_s, changed.window_s) == (6, 25.0, 4.0)
     assert changed.interval_s == full.interval_s and changed.shape.peak_rate_per_s == full.shape.peak_rate_per_s
+
+
+def test_the_replays_client_runs_above_the_fleets_priority_and_gives_it_back() -> None:
+    import os
+
+    from benchmarks._common import client_priority
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: list[int] = []
+    with client_priority(-5) as niceness:
+        thread = threading.Thread(target=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, 0)))
+        thread.start()
+        thread.join()
+        inside = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    if niceness is None:  # not root: nothing changed, and the caller is told so
+        assert inside == before == seen[0]
+    else:  # the client's thread and the threads it starts (the planner poller's) run at -5
+        assert inside == niceness == -5 == seen[0]
