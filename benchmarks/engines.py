@@ -44,7 +44,7 @@ from typing import Any
 import httpx
 
 from benchmarks._chat_workload import play, summarize
-from benchmarks._common import git_commit, log, machine_info, write_result
+from benchmarks._common import client_priority, git_commit, log, machine_info, write_result
 from benchmarks._dynctl import tree_cpu_s
 from benchmarks._services import ensure_sglang_router, start_sglang_router
 from benchmarks._vllm import VllmServer, ensure_vllm, vllm_fleet, worker_url
@@ -149,7 +149,8 @@ class QueueSampler(threading.Thread):
         if not self.samples:
             return {}
         totals = [[running + waiting for running, waiting in sample] for sample in self.samples]
-        return {"queue_mean_by_worker": [statistics.fmean(t[i] for t in totals) for i in range(len(self.servers))],
+        by_worker = [statistics.fmean(t[i] for t in totals) for i in range(len(self.servers))]
+        return {"queue_mean_by_worker": by_worker,
                 "queue_imbalance_mean": statistics.fmean(max(t) - min(t) for t in totals),
                 "waiting_mean": statistics.fmean(sum(w for _, w in sample) for sample in self.samples),
                 "one_idle_share": sum(1 for t in totals if min(t) == 0 and max(t) >= 2) / len(totals)}
@@ -167,7 +168,8 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
     series_before = [server_series(s) for s in servers]
     sampler = QueueSampler(servers)
     sampler.start()
-    results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
+    with client_priority() as niceness:  # the client above the servers it measures (benchmarks._common)
+        results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
     queues = sampler.stop()
     cpu_after = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
     deltas = [{key: after[key] - before[key] for key in _COUNTERS}
@@ -179,16 +181,19 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
                    prefilled_tokens_by_worker=[d["prefix_cache_queries_total"] - d["prefix_cache_hits_total"]
                                                for d in deltas],
                    prompt_tokens_by_worker=[d["prompt_tokens_total"] for d in deltas],
-                   preemptions=sum(d["num_preemptions_total"] for d in deltas), **queues)
+                   preemptions=sum(d["num_preemptions_total"] for d in deltas), client_niceness=niceness,
+                   **queues)
     log(f"{name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms, cache hit "
         f"{summary['cache_hit']:.2f}, history hit {summary['history_hit']}, {summary['turns']} turns in "
         f"{summary['wall_s']:.0f} s; TTFT p50 by turn (ms): "
         + ", ".join(f"{t:.0f}" for t in summary["ttft_p50_ms_by_turn"])
-        + f"; CPU front end {summary['front_end_cpu_s']:.1f} s, vLLM {summary['vllm_cpu_s']:.1f} s; per worker: "
-        f"requests {summary['requests_by_worker']}, prefilled tokens {summary['prefilled_tokens_by_worker']}, "
-        f"mean queue {[round(q, 2) for q in summary.get('queue_mean_by_worker', [])]}, mean |imbalance| "
-        f"{summary.get('queue_imbalance_mean', 0):.2f}, waiting {summary.get('waiting_mean', 0):.2f}, one idle "
-        f"while the other has 2+ {summary.get('one_idle_share', 0):.2f}, preemptions {summary['preemptions']:.0f}")
+        + f"; CPU front end {summary['front_end_cpu_s']:.1f} s, vLLM {summary['vllm_cpu_s']:.1f} s; "
+        f"per worker: requests {summary['requests_by_worker']}, prefilled tokens "
+        f"{summary['prefilled_tokens_by_worker']}, mean queue "
+        f"{[round(q, 2) for q in summary.get('queue_mean_by_worker', [])]}, mean |imbalance| "
+        f"{summary.get('queue_imbalance_mean', 0):.2f}, waiting {summary.get('waiting_mean', 0):.2f}, "
+        f"one idle while the other has 2+ {summary.get('one_idle_share', 0):.2f}, "
+        f"preemptions {summary['preemptions']:.0f}")
     return summary
 
 
@@ -215,9 +220,10 @@ def added_latency(server: VllmServer, model_dir: Path, log_dir: Path, num: int) 
     with dynserve_gateway([server], model_dir, "kv", log_dir) as (port, _):
         asyncio.run(_ttfts_c1(port, model_dir.name, 5))  # warm both paths
         asyncio.run(_ttfts_c1(server.port, model_dir.name, 5))
-        for _ in range(10):  # alternating blocks: a drift of the machine's speed hits both alike
-            direct += asyncio.run(_ttfts_c1(server.port, model_dir.name, num // 10))
-            through += asyncio.run(_ttfts_c1(port, model_dir.name, num // 10))
+        with client_priority():
+            for _ in range(10):  # alternating blocks: a drift of the machine's speed hits both alike
+                direct += asyncio.run(_ttfts_c1(server.port, model_dir.name, num // 10))
+                through += asyncio.run(_ttfts_c1(port, model_dir.name, num // 10))
     result = {"direct_p50_ms": statistics.median(direct), "gateway_p50_ms": statistics.median(through)}
     result["added_p50_ms_c1"] = result["gateway_p50_ms"] - result["direct_p50_ms"]
     log(f"c=1: direct {result['direct_p50_ms']:.2f} ms, through the gateway {result['gateway_p50_ms']:.2f} ms, "

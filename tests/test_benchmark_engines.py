@@ -1,5 +1,6 @@
 """`benchmarks.engines` without vLLM: its runs rotate the order of the phases, so no router is always measured
-first (on servers that have just warmed up) or last; a phase's CPU counts a front end's child processes."""
+first (on servers that have just warmed up) or last; a phase's CPU counts a front end's child processes; what
+each vLLM worker was given is read from its own `/metrics` series."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def test_each_phase_comes_first_and_last_once_in_three_runs() -> None:
 
 def test_vllm_series_are_summed_over_their_label_sets() -> None:
     # recorded from vLLM 0.32.0 after three requests: two stopped by length, one by a stop condition
-    series = parse_series((Path(__file__).parent / "fixtures" / "vllm" / "0.32.0" / "metrics.txt").read_text())
+    recorded = Path(__file__).parent / "fixtures" / "vllm" / "0.32.0" / "metrics.txt"
+    series = parse_series(recorded.read_text())
     assert series["request_success_total"] == 3.0
     assert (series["prompt_tokens_total"], series["prefix_cache_queries_total"]) == (139.0, 139.0)
     assert series["prefix_cache_hits_total"] == 32.0

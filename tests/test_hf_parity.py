@@ -65,12 +65,12 @@ def test_hf_parity_logits_batched_and_alone(make_engine, prompts, hf_last_logits
 
 def test_hf_parity_greedy_generation_32_tokens(make_engine, hf_model, prompts, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """Our greedy tokens are HF's greedy tokens, generated in one batch of all five prompts. HF's greedy
-    generation picks, at each step, the argmax of its logits over the prompt and the tokens before; so one HF
-    forward over the prompt and our 32 tokens checks every step at once: each of our tokens must be HF's argmax
-    at its position (no tie is let through: HF's chosen token must beat the runner-up), and HF would have
-    stopped where we stopped. So the batch is checked against a reference that runs each prompt on its own;
-    the shortest prompt is also generated alone, in an engine of its own, for the decode steps of a batch of
-    one (the batch here never shrinks to one)."""
+    generation picks, at each step, the argmax of its logits over the prompt and the tokens before; so one
+    HF forward over the prompt and our 32 tokens checks every step at once: each of our tokens must be HF's
+    argmax at its position (no tie is let through: HF's chosen token must beat the runner-up), and HF would
+    have stopped where we stopped. So the batch is checked against a reference that runs each prompt on its
+    own; the shortest prompt is also generated alone, in an engine of its own, for the decode steps of a
+    batch of one (the batch here never shrinks to one)."""
     greedy = SamplingParams(max_tokens=32, temperature=0.0)
     engine = make_engine()
     batched = engine.generate(prompts, greedy)
