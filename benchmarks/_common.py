@@ -112,10 +112,10 @@ def write_result(name: str, result: Mapping[str, Any], output: Path | None = Non
 @contextlib.contextmanager
 def client_priority(niceness: int = -10) -> Iterator[int | None]:
     """Runs the calling thread (and the threads it starts meanwhile) at `niceness`, then restores it: a load
-    generator on the machine of the fleet it measures, at the fleet's priority, is starved when the fleet
-    saturates the cores, and its late sends and late reads count against the fleet (on two cores a replay's
-    client stalled for 1-4 s at a time). Yields the niceness in force, or None where it could not be raised
-    (not root): then the client runs as before, and the result says so."""
+    generator on the machine of the fleet it measures, at the fleet's priority, competes with the fleet for
+    the cores, and its late sends and late reads would count against the fleet. Yields the niceness in force,
+    or None where it could not be raised (not root): then the client runs as before, and the result says
+    so."""
     before = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux the calling thread's
     try:
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
