@@ -29,7 +29,8 @@ import psutil
 from benchmarks._common import file_tail, log
 from benchmarks._http import http_get
 
-__all__ = ["DynctlServer", "dynctl_serve", "scrape_counters", "scrape_worker_samples", "tree_cpu_s"]
+__all__ = ["DynctlServer", "dynctl_serve", "metric_samples", "scrape_counters", "scrape_worker_samples",
+           "tree_cpu_s"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _BANNER = re.compile(r"dynserve is serving \S+(?:, \S+)* at http://[^/\s]+:(\d+)/v1")  # one model or several
@@ -147,8 +148,14 @@ def _wait_group(process: subprocess.Popen[bytes], group: int, timeout_s: float) 
 def scrape_counters(port: int, prefix: str, timeout_s: float = 10.0) -> dict[str, float]:
     """The samples of the gateway's /metrics whose name starts with `prefix`, keyed `name{labels}`; not the
     `_created` ones (a counter's creation time, not a count)."""
+    return metric_samples(http_get(f"127.0.0.1:{port}", "/metrics", timeout_s), prefix)
+
+
+def metric_samples(text: str, prefix: str) -> dict[str, float]:
+    """`scrape_counters` of a /metrics page already read: its samples whose name starts with `prefix`, keyed
+    `name{labels}`, but the `_created` ones."""
     samples = {}
-    for line in http_get(f"127.0.0.1:{port}", "/metrics", timeout_s).splitlines():
+    for line in text.splitlines():
         found = _SAMPLE.match(line)
         if found is not None and found.group(1).startswith(prefix) and not found.group(1).endswith("_created"):
             samples[found.group(1) + (found.group(2) or "")] = float(found.group(3))

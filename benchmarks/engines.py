@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -45,7 +44,7 @@ import httpx
 
 from benchmarks._chat_workload import play, summarize
 from benchmarks._common import client_priority, git_commit, log, machine_info, write_result
-from benchmarks._dynctl import tree_cpu_s
+from benchmarks._dynctl import metric_samples, tree_cpu_s
 from benchmarks._services import ensure_sglang_router, start_sglang_router
 from benchmarks._vllm import VllmServer, ensure_vllm, vllm_fleet, worker_url
 from benchmarks.routing import Plan
@@ -107,7 +106,6 @@ def reset_caches(servers: list[VllmServer]) -> None:
 _COUNTERS = ("request_success_total", "prompt_tokens_total", "prefix_cache_queries_total",
              "prefix_cache_hits_total", "num_preemptions_total")
 _GAUGES = ("num_requests_running", "num_requests_waiting")
-_SERIES = re.compile(r"^vllm:(" + "|".join(_COUNTERS + _GAUGES) + r")\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 
 
 def server_series(server: VllmServer) -> dict[str, float]:
@@ -118,8 +116,10 @@ def server_series(server: VllmServer) -> dict[str, float]:
 def parse_series(text: str) -> dict[str, float]:
     """`_COUNTERS` and `_GAUGES` of a vLLM `/metrics` page, each summed over its label sets (0 if absent)."""
     out = dict.fromkeys(_COUNTERS + _GAUGES, 0.0)
-    for name, value in _SERIES.findall(text):
-        out[name] += float(value)
+    for key, value in metric_samples(text, "vllm:").items():
+        name = key.removeprefix("vllm:").split("{", 1)[0]
+        if name in out:
+            out[name] += value
     return out
 
 
