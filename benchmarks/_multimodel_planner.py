@@ -48,6 +48,7 @@ from benchmarks._multimodel_trace import (
     rates_by_model,
     size_fleets,
 )
+from benchmarks._pressure import PressureSampler, around
 from benchmarks._streaming import StreamedCompletion, completion_body
 from benchmarks.planner import (
     POLL_PERIOD_S,
@@ -64,7 +65,8 @@ from benchmarks.planner import (
 )
 
 __all__ = ["FULL_TURNS", "QUICK_TURNS", "FleetRun", "ModelsPoller", "TurnsPlan", "fleet_flags", "make_workload",
-           "plot", "run_fleet", "run_planner_half", "summarize_planner", "summarize_static", "worker_starts"]
+           "plot", "run_fleet", "run_planner_half", "summarize_planner", "summarize_static", "worker_starts",
+           "worst_windows"]
 
 LOAD_WINDOW_S = 5.0  # the offered load as the picture draws it
 
@@ -124,6 +126,7 @@ class FleetRun:
     load_avg_1m_after: float | None = None  # the machine's, as the replay ended: other work shares the cores
     requeues: float | None = None  # requests handed back unstarted to a joining worker (the gateway's count)
     client_niceness: int | None = None  # the replay's (`client_priority`); None: the fleet's own
+    pressure: list[dict[str, Any]] = field(default_factory=list)  # the machine's, a row a second
     samples: list[tuple[float, dict[str, dict[str, int]], dict[str, dict[str, int]]]] = field(default_factory=list)
     decisions: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
@@ -138,7 +141,8 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
         asyncio.run(warm_up(server.port, workload.warm_up_bodies))
         cpu_before_s, start_s = server.cpu_s(), time.monotonic()
         poller = ModelsPoller(server.port, start_s) if poll else contextlib.nullcontext()
-        with client_priority() as niceness, poller:  # the poller's thread starts at the client's priority
+        # the poller's and the sampler's threads start at the client's priority
+        with client_priority() as niceness, poller, PressureSampler(start_s) as pressure:
             results = asyncio.run(replay(server.port, workload, 1.0, max(60.0, workload.duration_s / 2)))
         wall_s = time.monotonic() - start_s
         cpu_cores = (server.cpu_s() - cpu_before_s) / wall_s
@@ -148,7 +152,7 @@ def run_fleet(label: str, flags: list[str], workload: Workload, *, poll: bool, l
         if any(r.error for r in results):
             log(f"{label}: {sum(bool(r.error) for r in results)} requests failed; the server's log ends:\n"
                 f"{server.log_tail()}")
-    run = FleetRun(results, ready_s, wall_s, cpu_cores, os.getloadavg()[0], requeues, niceness)
+    run = FleetRun(results, ready_s, wall_s, cpu_cores, os.getloadavg()[0], requeues, niceness, pressure.rows)
     if isinstance(poller, ModelsPoller):
         run.samples, run.decisions = poller.model_samples, poller.model_decisions
     return run
@@ -182,7 +186,21 @@ def _common_summary(run: FleetRun, trace: TurnsTrace, names: Sequence[str], wind
         "ready_s": run.ready_s, "replay_wall_s": run.replay_wall_s, "load_avg_1m_after": run.load_avg_1m_after,
         "num_missed": len(met) - sum(met), "requeues": run.requeues, "client_niceness": run.client_niceness,
         "num_missed_ttft": sum(not t for t, _ in met_pairs), "num_missed_itl": sum(not i for _, i in met_pairs),
+        "pressure_by_second": run.pressure,
     }
+
+
+def worst_windows(summary: Mapping[str, Any], window_s: float, count: int = 3) -> list[dict[str, Any]]:
+    """The `count` windows of lowest attainment, each with its client's send lag (p99) and what the machine
+    did in it (`_pressure.around`): whether a fleet's misses came with the cores, the disk or memory
+    behind."""
+    windows = [(a, w) for w, a in enumerate(summary["attainment_by_window"]) if a is not None]
+    out = []
+    for attained, w in sorted(windows)[:count]:
+        out.append({"window": w, "attainment": attained,
+                    "send_lag_p99_ms": summary["send_lag_p99_ms_by_window"][w],
+                    **around(summary["pressure_by_second"], w * window_s, (w + 1) * window_s)})
+    return out
 
 
 def _by_window(trace: TurnsTrace, values_ms: Sequence[float | None], window_s: float, q: float
@@ -393,6 +411,7 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
         summary = (summarize_planner(run, trace, names, plan.attainment_window_s, bumps) if label == "planner"
                    else summarize_static(run, trace, names, sizing, plan.attainment_window_s))
         summary["flags"] = [f for f in flags[label] if not f.startswith("/")]
+        summary["worst_windows"] = worst_windows(summary, plan.attainment_window_s)
         summaries[label] = summary
         log(f"{label}: attainment {summary['attainment']:.3f} (TTFT {summary['ttft_attainment']:.3f}, ITL "
             f"{summary['itl_attainment']:.3f}), {summary['worker_s']:.0f} worker-s, "
@@ -400,6 +419,11 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
             f"load average {summary['load_avg_1m_after']:.1f}, {summary['num_missed']} missed "
             f"({summary['num_missed_ttft']} TTFT, {summary['num_missed_itl']} mean ITL), "
             f"{summary['requeues']} requeued")
+        for w in summary["worst_windows"]:
+            log(f"{label}: window {w['from_s']:.0f}-{w['to_s']:.0f} s attained {w['attainment']:.2f}, send "
+                f"lag p99 {w['send_lag_p99_ms'] or 0:.0f} ms; stalled on cpu {w['cpu_some_ms']} ms, io "
+                f"{w['io_some_ms']} ms, memory {w['memory_some_ms']} ms; {w['major_faults']} major faults, "
+                f"{w['forks']} forks, busiest second {w['busy_cores_max']} cores")
     result = _half_result(plan, trace, sizing, summaries)
     result["png_planner"] = None
     if png is not None and "static" in summaries and "planner" in summaries:

@@ -24,6 +24,7 @@ from benchmarks._multimodel_planner import (
     summarize_planner,
     summarize_static,
     worker_starts,
+    worst_windows,
 )
 from benchmarks._multimodel_trace import (
     TurnsShape,
@@ -34,6 +35,7 @@ from benchmarks._multimodel_trace import (
     rates_by_model,
     size_fleets,
 )
+from benchmarks._pressure import PressureSampler, Reading, around, read_counters
 from benchmarks._streaming import StreamedCompletion
 from benchmarks.planner import fleet_for_rate
 from benchmarks.planner_trace import TraceRequest
@@ -334,3 +336,48 @@ def test_the_replays_client_runs_above_the_fleets_priority_and_gives_it_back() -
         assert inside == before == seen[0]
     else:  # the client's thread and the threads it starts (the planner poller's) run at -5
         assert inside == niceness == -5 == seen[0]
+
+
+def test_the_pressure_rows_are_differences_of_the_machines_counters() -> None:
+    from benchmarks._pressure import _row
+
+    psi = dict.fromkeys(("cpu_some", "io_some", "io_full", "memory_some", "memory_full"), 0)
+    before = Reading(10.0, psi, major_faults=100, forks=7, busy_ticks=1000)
+    after = Reading(12.0, {**psi, "cpu_some": 250_000, "io_some": 1_500, "memory_full": None}, 160, 9, 1300)
+    row = _row(3.0, before, after, clock_ticks=100)
+    assert row == {"t_s": 3.0, "cpu_some_ms": 250.0, "io_some_ms": 1.5, "io_full_ms": 0.0,
+                   "memory_some_ms": 0.0, "memory_full_ms": None, "major_faults": 60, "forks": 2,
+                   "busy_cores": 1.5}
+    rows = [{**row, "t_s": 0.0}, {**row, "t_s": 1.0, "busy_cores": 2.0}, {**row, "t_s": 2.0}]
+    summed = around(rows, 0.0, 2.0)  # the rows of seconds 0 and 1
+    assert summed["seconds"] == 2 and summed["cpu_some_ms"] == 500.0 and summed["major_faults"] == 120
+    assert summed["busy_cores_max"] == 2.0 and summed["busy_cores_mean"] == 1.75
+    assert summed["memory_full_ms"] is None  # a column the kernel lacks stays unknown, not 0
+
+
+def test_the_sampler_sees_this_process_fork_and_keep_a_core_busy() -> None:
+    import subprocess
+    import sys
+
+    first = read_counters()
+    with PressureSampler(period_s=0.02) as sampler:
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        deadline = time.monotonic() + 1.1
+        while time.monotonic() < deadline:
+            sum(range(1000))
+    assert read_counters().forks > first.forks
+    assert len(sampler.rows) >= 1 and sum(row["forks"] for row in sampler.rows) >= 1
+    assert max(row["busy_cores"] for row in sampler.rows) >= 0.5
+
+
+def test_the_worst_windows_come_with_their_lag_and_the_machines_stalls() -> None:
+    summary = {"attainment_by_window": [1.0, 0.4, None, 0.9],
+               "send_lag_p99_ms_by_window": [5.0, 900.0, None, 20.0],
+               "pressure_by_second": [{"t_s": float(t), "cpu_some_ms": 10.0 * t, "io_some_ms": 0.0,
+                                       "io_full_ms": 0.0, "memory_some_ms": 0.0, "memory_full_ms": 0.0,
+                                       "major_faults": t,
+                                       "forks": 0, "busy_cores": 1.0} for t in range(8)]}
+    worst = worst_windows(summary, window_s=2.0, count=2)
+    assert [(w["window"], w["attainment"], w["send_lag_p99_ms"]) for w in worst] == [
+        (1, 0.4, 900.0), (3, 0.9, 20.0)]
+    assert worst[0]["cpu_some_ms"] == 50.0 and worst[0]["major_faults"] == 5  # seconds 2 and 3
