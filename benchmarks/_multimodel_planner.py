@@ -423,7 +423,7 @@ def run_planner_half(plan: TurnsPlan, links: Sequence[Path], seed: int, log_dir:
             log(f"{label}: window {w['from_s']:.0f}-{w['to_s']:.0f} s attained {w['attainment']:.2f}, send "
                 f"lag p99 {w['send_lag_p99_ms'] or 0:.0f} ms; stalled on cpu {w['cpu_some_ms']} ms, io "
                 f"{w['io_some_ms']} ms, memory {w['memory_some_ms']} ms; {w['major_faults']} major faults, "
-                f"{w['forks']} forks, busiest second {w['busy_cores_max']} cores")
+                f"{w['new_tasks']} new tasks, busiest second {w['busy_cores_max']} cores")
     result = _half_result(plan, trace, sizing, summaries)
     result["png_planner"] = None
     if png is not None and "static" in summaries and "planner" in summaries:

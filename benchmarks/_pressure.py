@@ -1,7 +1,8 @@
 """What the whole machine did, second by second, while a benchmark ran: Linux's pressure stall information
 (`/proc/pressure/{cpu,io,memory}`: the time some task, or every task, was runnable but waiting for a core,
-waiting on I/O, or waiting on memory reclaim), major page faults and processes forked (`/proc/vmstat`,
-`/proc/stat`) and the cores busy.
+waiting on I/O, or waiting on memory reclaim), major page faults, tasks created (`/proc/vmstat`,
+`/proc/stat`'s `processes`: every fork and clone, so threads too; a Ray worker process's start is about 30)
+and the cores busy.
 
 A benchmark whose client falls behind (its sends late) at some moments cannot tell from its own figures
 whether the cores were all busy, the disk was read (code pages evicted, a process start reading its
@@ -24,7 +25,7 @@ __all__ = ["PressureSampler", "Reading", "around", "read_counters", "rows_betwee
 
 _PSI = Path("/proc/pressure")
 COLUMNS = ("cpu_some_ms", "io_some_ms", "io_full_ms", "memory_some_ms", "memory_full_ms", "major_faults",
-           "forks", "busy_cores")
+           "new_tasks", "busy_cores")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Reading:
     t_s: float
     psi_us: dict[str, int | None]  # "cpu_some", "io_some", "io_full", "memory_some", "memory_full"
     major_faults: int
-    forks: int
+    new_tasks: int  # processes and threads created since boot
     busy_ticks: int  # all CPUs' non-idle jiffies
 
 
@@ -64,20 +65,20 @@ def read_counters(now_s: float | None = None) -> Reading:
         if line.startswith("pgmajfault "):
             major_faults = int(line.split()[1])
             break
-    forks = busy = 0
+    new_tasks = busy = 0
     for line in Path("/proc/stat").read_text().splitlines():
         if line.startswith("cpu "):
             # user nice system idle iowait irq softirq steal ...: busy is all but idle and iowait
             ticks = [int(v) for v in line.split()[1:]]
             busy = sum(ticks) - ticks[3] - ticks[4]
         elif line.startswith("processes "):
-            forks = int(line.split()[1])
-    return Reading(time.monotonic() if now_s is None else now_s, psi, major_faults, forks, busy)
+            new_tasks = int(line.split()[1])
+    return Reading(time.monotonic() if now_s is None else now_s, psi, major_faults, new_tasks, busy)
 
 
 def _row(t_s: float, before: Reading, after: Reading, clock_ticks: int) -> dict[str, Any]:
-    """What happened between two readings, as one row: stall milliseconds per PSI line, faults, forks, cores
-    busy on average."""
+    """What happened between two readings, as one row: stall milliseconds per PSI line, faults, new tasks,
+    cores busy on average."""
 
     def stalled_ms(key: str) -> float | None:
         a, b = before.psi_us[key], after.psi_us[key]
@@ -89,7 +90,8 @@ def _row(t_s: float, before: Reading, after: Reading, clock_ticks: int) -> dict[
         "cpu_some_ms": stalled_ms("cpu_some"), "io_some_ms": stalled_ms("io_some"),
         "io_full_ms": stalled_ms("io_full"), "memory_some_ms": stalled_ms("memory_some"),
         "memory_full_ms": stalled_ms("memory_full"),
-        "major_faults": after.major_faults - before.major_faults, "forks": after.forks - before.forks,
+        "major_faults": after.major_faults - before.major_faults,
+        "new_tasks": after.new_tasks - before.new_tasks,
         "busy_cores": round((after.busy_ticks - before.busy_ticks) / clock_ticks / span_s, 2),
     }
 
@@ -137,8 +139,8 @@ def rows_between(rows: Sequence[dict[str, Any]], from_s: float, to_s: float) -> 
 
 
 def around(rows: Sequence[dict[str, Any]], from_s: float, to_s: float) -> dict[str, Any]:
-    """The rows of [from_s, to_s) summed (stall milliseconds, faults, forks) and the busiest second's cores:
-    what the machine did in a window of interest. Stall columns the kernel lacks stay None."""
+    """The rows of [from_s, to_s) summed (stall milliseconds, faults, new tasks) and the busiest second's
+    cores: what the machine did in a window of interest. Stall columns the kernel lacks stay None."""
     chosen = rows_between(rows, from_s, to_s)
     out: dict[str, Any] = {"from_s": from_s, "to_s": to_s, "seconds": len(chosen)}
     for column in COLUMNS:

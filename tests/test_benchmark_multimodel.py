@@ -342,11 +342,11 @@ def test_the_pressure_rows_are_differences_of_the_machines_counters() -> None:
     from benchmarks._pressure import _row
 
     psi = dict.fromkeys(("cpu_some", "io_some", "io_full", "memory_some", "memory_full"), 0)
-    before = Reading(10.0, psi, major_faults=100, forks=7, busy_ticks=1000)
+    before = Reading(10.0, psi, major_faults=100, new_tasks=7, busy_ticks=1000)
     after = Reading(12.0, {**psi, "cpu_some": 250_000, "io_some": 1_500, "memory_full": None}, 160, 9, 1300)
     row = _row(3.0, before, after, clock_ticks=100)
     assert row == {"t_s": 3.0, "cpu_some_ms": 250.0, "io_some_ms": 1.5, "io_full_ms": 0.0,
-                   "memory_some_ms": 0.0, "memory_full_ms": None, "major_faults": 60, "forks": 2,
+                   "memory_some_ms": 0.0, "memory_full_ms": None, "major_faults": 60, "new_tasks": 2,
                    "busy_cores": 1.5}
     rows = [{**row, "t_s": 0.0}, {**row, "t_s": 1.0, "busy_cores": 2.0}, {**row, "t_s": 2.0}]
     summed = around(rows, 0.0, 2.0)  # the rows of seconds 0 and 1
@@ -365,8 +365,8 @@ def test_the_sampler_sees_this_process_fork_and_keep_a_core_busy() -> None:
         deadline = time.monotonic() + 1.1
         while time.monotonic() < deadline:
             sum(range(1000))
-    assert read_counters().forks > first.forks
-    assert len(sampler.rows) >= 1 and sum(row["forks"] for row in sampler.rows) >= 1
+    assert read_counters().new_tasks > first.new_tasks
+    assert len(sampler.rows) >= 1 and sum(row["new_tasks"] for row in sampler.rows) >= 1
     assert max(row["busy_cores"] for row in sampler.rows) >= 0.5
 
 
@@ -376,7 +376,7 @@ def test_the_worst_windows_come_with_their_lag_and_the_machines_stalls() -> None
                "pressure_by_second": [{"t_s": float(t), "cpu_some_ms": 10.0 * t, "io_some_ms": 0.0,
                                        "io_full_ms": 0.0, "memory_some_ms": 0.0, "memory_full_ms": 0.0,
                                        "major_faults": t,
-                                       "forks": 0, "busy_cores": 1.0} for t in range(8)]}
+                                       "new_tasks": 0, "busy_cores": 1.0} for t in range(8)]}
     worst = worst_windows(summary, window_s=2.0, count=2)
     assert [(w["window"], w["attainment"], w["send_lag_p99_ms"]) for w in worst] == [
         (1, 0.4, 900.0), (3, 0.9, 20.0)]
