@@ -140,7 +140,8 @@ def rows_between(rows: Sequence[dict[str, Any]], from_s: float, to_s: float) -> 
 
 def around(rows: Sequence[dict[str, Any]], from_s: float, to_s: float) -> dict[str, Any]:
     """The rows of [from_s, to_s) summed (stall milliseconds, faults, new tasks) and the busiest second's
-    cores: what the machine did in a window of interest. Stall columns the kernel lacks stay None."""
+    cores: what the machine did in a window of interest. A column the kernel lacks, or a window with no
+    rows, is None (unknown), not 0."""
     chosen = rows_between(rows, from_s, to_s)
     out: dict[str, Any] = {"from_s": from_s, "to_s": to_s, "seconds": len(chosen)}
     for column in COLUMNS:
@@ -149,5 +150,5 @@ def around(rows: Sequence[dict[str, Any]], from_s: float, to_s: float) -> dict[s
             out["busy_cores_max"] = max(values, default=None)
             out["busy_cores_mean"] = round(sum(values) / len(values), 2) if values else None
         else:
-            out[column] = round(sum(values), 1) if values or not chosen else None
+            out[column] = round(sum(values), 1) if values else None
     return out

@@ -353,6 +353,7 @@ def test_the_pressure_rows_are_differences_of_the_machines_counters() -> None:
     assert summed["seconds"] == 2 and summed["cpu_some_ms"] == 500.0 and summed["major_faults"] == 120
     assert summed["busy_cores_max"] == 2.0 and summed["busy_cores_mean"] == 1.75
     assert summed["memory_full_ms"] is None  # a column the kernel lacks stays unknown, not 0
+    assert around(rows, 10.0, 20.0)["cpu_some_ms"] is None  # so does a window the sampler never saw
 
 
 def test_the_sampler_sees_this_process_fork_and_keep_a_core_busy() -> None:
