@@ -10,13 +10,14 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-__all__ = ["RESULTS_DIR", "best_time_s", "file_tail", "git_commit", "log", "machine_info", "percentile",
-           "start_local_ray", "write_result"]
+__all__ = ["RESULTS_DIR", "BackgroundLoop", "best_time_s", "client_priority", "file_tail", "git_commit",
+           "log", "machine_info", "percentile", "start_local_ray", "write_result"]
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 _REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -127,3 +128,24 @@ def client_priority(niceness: int = -10) -> Iterator[int | None]:
         yield niceness
     finally:
         os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
+class BackgroundLoop:
+    """A daemon thread that runs `_run` from `__enter__` until `__exit__`, which sets `_stop` and joins it:
+    the benchmarks' pollers and samplers. `_run` must return soon after `_stop` is set (wait on it between
+    reads). A thread started inside `client_priority` runs at the client's priority."""
+
+    def __init__(self, name: str) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        raise NotImplementedError

@@ -14,12 +14,13 @@ Where the kernel has no PSI (an older one, or `psi=0`), those columns are None.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
+
+from benchmarks._common import BackgroundLoop
 
 __all__ = ["PressureSampler", "Reading", "around", "read_counters", "rows_between"]
 
@@ -96,30 +97,24 @@ def _row(t_s: float, before: Reading, after: Reading, clock_ticks: int) -> dict[
     }
 
 
-class PressureSampler:
+class PressureSampler(BackgroundLoop):
     """A thread reading the counters every `period_s` from `start_s` (monotonic; default: when started) and
     keeping one row a second (seconds since `start_s`). Use as a context manager; `rows` after it exits."""
 
     def __init__(self, start_s: float | None = None, *, period_s: float = 0.05) -> None:
         import os
 
+        super().__init__("pressure-sampler")
         self.start_s = start_s
         self.period_s = period_s
         self.rows: list[dict[str, Any]] = []
         self._clock_ticks = os.sysconf("SC_CLK_TCK")
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pressure-sampler", daemon=True)
 
-    def __enter__(self) -> PressureSampler:
+    def __enter__(self) -> Self:
         self._first = read_counters()  # before the caller goes on: nothing it does escapes the first row
         if self.start_s is None:
             self.start_s = self._first.t_s
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        return super().__enter__()
 
     def _run(self) -> None:
         assert self.start_s is not None

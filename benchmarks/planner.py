@@ -66,14 +66,21 @@ import json
 import math
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
-from benchmarks._common import RESULTS_DIR, git_commit, log, machine_info, percentile, write_result
+from benchmarks._common import (
+    RESULTS_DIR,
+    BackgroundLoop,
+    git_commit,
+    log,
+    machine_info,
+    percentile,
+    write_result,
+)
 from benchmarks._dynctl import dynctl_serve
 from benchmarks._goodput import Slo
 from benchmarks._streaming import StreamedCompletion, completion_body, stream_completion
@@ -208,24 +215,15 @@ async def replay(port: int, workload: Workload, speedup: float, timeout_s: float
         reporter.cancel()
 
 
-class PlannerPoller:
+class PlannerPoller(BackgroundLoop):
     """Reads `GET /planner` every `POLL_PERIOD_S` on a thread of its own: (wall seconds since `start_s`,
     targets, serving) per read, and the planner's decisions (deduplicated)."""
 
     def __init__(self, port: int, start_s: float) -> None:
+        super().__init__("planner-poller")
         self.port, self.start_s = port, start_s
         self.samples: list[tuple[float, dict[str, int], dict[str, int]]] = []
         self.decisions: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="planner-poller", daemon=True)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
     def _run(self) -> None:
         while not self._stop.wait(POLL_PERIOD_S):
