@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,7 @@ import httpx
 from benchmarks._chat_workload import play, summarize
 from benchmarks._common import client_priority, git_commit, log, machine_info, write_result
 from benchmarks._dynctl import metric_samples, tree_cpu_s
+from benchmarks._pressure import PressureSampler, around
 from benchmarks._services import ensure_sglang_router, start_sglang_router
 from benchmarks._vllm import VllmServer, ensure_vllm, vllm_fleet, worker_url
 from benchmarks.routing import Plan
@@ -161,16 +163,20 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
     """The plan played through the front end on `port`; with the CPU seconds the front end's processes and
     the vLLM servers' (API server and engine core) spent over the phase (on two shared cores, what a front end
     burns is taken from the engines), and per worker what it was given: requests, prompt tokens, the tokens
-    it prefilled (not cache hits) and the queue it held over time."""
+    it prefilled (not cache hits) and the queue it held over time; and what the machine did meanwhile
+    (`benchmarks._pressure`: the seconds some task waited for a core, the cores busy on average, a row a
+    second)."""
     workload = plan.workload(seed, speedup=1.0)
     start_s = time.monotonic()
     cpu_before = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
     series_before = [server_series(s) for s in servers]
     sampler = QueueSampler(servers)
     sampler.start()
-    with client_priority() as niceness:  # the client above the servers it measures (benchmarks._common)
+    # the client above the servers it measures (benchmarks._common); the machine's stalls beside it
+    with client_priority() as niceness, PressureSampler(start_s) as pressure:
         results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
     queues = sampler.stop()
+    machine = around(pressure.rows, 0.0, math.inf)
     cpu_after = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
     deltas = [{key: after[key] - before[key] for key in _COUNTERS}
               for before, after in zip(series_before, (server_series(s) for s in servers))]
@@ -182,7 +188,9 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
                                                for d in deltas],
                    prompt_tokens_by_worker=[d["prompt_tokens_total"] for d in deltas],
                    preemptions=sum(d["num_preemptions_total"] for d in deltas), client_niceness=niceness,
-                   **queues)
+                   cpu_stall_s=(machine["cpu_some_ms"] or 0.0) / 1e3,
+                   busy_cores_mean=machine["busy_cores_mean"],
+                   pressure_by_second=pressure.rows, **queues)
     log(f"{name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms, cache hit "
         f"{summary['cache_hit']:.2f}, history hit {summary['history_hit']}, {summary['turns']} turns in "
         f"{summary['wall_s']:.0f} s; TTFT p50 by turn (ms): "
@@ -193,7 +201,9 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
         f"{[round(q, 2) for q in summary.get('queue_mean_by_worker', [])]}, mean |imbalance| "
         f"{summary.get('queue_imbalance_mean', 0):.2f}, waiting {summary.get('waiting_mean', 0):.2f}, "
         f"one idle while the other has 2+ {summary.get('one_idle_share', 0):.2f}, "
-        f"preemptions {summary['preemptions']:.0f}")
+        f"preemptions {summary['preemptions']:.0f}; the machine: {summary['busy_cores_mean']} cores busy on "
+        f"average, some task waiting for a core {summary['cpu_stall_s']:.0f} s of the "
+        f"{summary['wall_s']:.0f}")
     return summary
 
 
