@@ -550,13 +550,16 @@ def banner_port(banner: str) -> int:
 
 
 def stop_by_sigint(process: subprocess.Popen[str]) -> tuple[int, str]:
-    """Ctrl-C `process` and wait for it (30 s, then it is killed and this raises); (exit code, the rest of
-    its stderr)."""
+    """Ctrl-C `process` and wait for it (30 s, then it is killed, reaped and its stderr pipe closed, and this
+    raises: the test that started it fails, and no later test inherits a running process or an open pipe);
+    (exit code, the rest of its stderr)."""
     process.send_signal(signal.SIGINT)
     try:
         code = process.wait(timeout=30)
     except subprocess.TimeoutExpired:
         process.kill()
+        process.wait(timeout=30)
+        process.stderr.close()  # type: ignore[union-attr]  # not read: a grandchild may still hold its end
         raise
     rest = process.stderr.read()  # type: ignore[union-attr]
     process.stderr.close()  # type: ignore[union-attr]
