@@ -4,6 +4,7 @@ percentiles, and writing the result JSON (last stdout line plus a file under `be
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -130,7 +131,7 @@ def client_priority(niceness: int = -10) -> Iterator[int | None]:
         os.setpriority(os.PRIO_PROCESS, 0, before)
 
 
-class BackgroundLoop:
+class BackgroundLoop(abc.ABC):
     """A daemon thread that runs `_run` from `__enter__` until `__exit__`, which sets `_stop` and joins it:
     the benchmarks' pollers and samplers. `_run` must return soon after `_stop` is set (wait on it between
     reads). A thread started inside `client_priority` runs at the client's priority."""
@@ -147,5 +148,6 @@ class BackgroundLoop:
         self._stop.set()
         self._thread.join()
 
+    @abc.abstractmethod
     def _run(self) -> None:
-        raise NotImplementedError
+        """The loop itself: each subclass's reads, until `_stop` is set."""
