@@ -188,7 +188,7 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
                                                for d in deltas],
                    prompt_tokens_by_worker=[d["prompt_tokens_total"] for d in deltas],
                    preemptions=sum(d["num_preemptions_total"] for d in deltas), client_niceness=niceness,
-                   cpu_stall_s=(machine["cpu_some_ms"] or 0.0) / 1e3,
+                   cpu_stall_s=None if machine["cpu_some_ms"] is None else machine["cpu_some_ms"] / 1e3,
                    busy_cores_mean=machine["busy_cores_mean"],
                    pressure_by_second=pressure.rows, **queues)
     log(f"{name}: TTFT p50 {summary['ttft_p50_ms']:.0f} ms, p90 {summary['ttft_p90_ms']:.0f} ms, cache hit "
@@ -202,8 +202,7 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
         f"{summary.get('queue_imbalance_mean', 0):.2f}, waiting {summary.get('waiting_mean', 0):.2f}, "
         f"one idle while the other has 2+ {summary.get('one_idle_share', 0):.2f}, "
         f"preemptions {summary['preemptions']:.0f}; the machine: {summary['busy_cores_mean']} cores busy on "
-        f"average, some task waiting for a core {summary['cpu_stall_s']:.0f} s of the "
-        f"{summary['wall_s']:.0f}")
+        f"average, some task waiting for a core {summary['cpu_stall_s']} s of the {summary['wall_s']:.0f}")
     return summary
 
 
