@@ -549,19 +549,49 @@ def banner_port(banner: str) -> int:
     return int(match.group(1))
 
 
-def stop_by_sigint(process: subprocess.Popen[str]) -> tuple[int, str]:
-    """Ctrl-C `process` and wait for it (30 s, then it is killed, reaped and its stderr pipe closed, and this
-    raises: the test that started it fails, and no later test inherits a running process or an open pipe);
-    (exit code, the rest of its stderr)."""
+class StderrDrain(threading.Thread):
+    """Reads a long-running process's stderr into memory from the moment it starts, so the process never
+    blocks on a full pipe (a fleet on Ray forwards its workers' logs there) and a hang's log can be shown."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        super().__init__(daemon=True)
+        self.process = process
+        self.lines: list[str] = []
+
+    def run(self) -> None:
+        with contextlib.suppress(ValueError, OSError):  # the pipe closed under it
+            for line in self.process.stderr:  # type: ignore[union-attr]
+                self.lines.append(line)
+
+    def text(self, timeout_s: float = 10.0) -> str:
+        """What it read; waits up to `timeout_s` for the end of the pipe (a grandchild may still hold it)."""
+        self.join(timeout_s)
+        return "".join(self.lines)
+
+
+def stop_by_sigint(process: subprocess.Popen[str], drain: StderrDrain | None = None,
+                   timeout_s: float = 30.0) -> tuple[int, str]:
+    """Ctrl-C `process` and wait for it; (exit code, the rest of its stderr). After `timeout_s` it is killed,
+    reaped and its stderr pipe closed, and this raises with the end of its stderr when `drain` reads it (with
+    a `dynctl`'s thread stacks: SIGUSR1 first): the test that started it fails, and no later test inherits a
+    running process or an open pipe."""
     process.send_signal(signal.SIGINT)
     try:
-        code = process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
+        code = process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        if drain is not None:  # a dynctl writes every thread's stack on SIGUSR1: where it hangs, into the error
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(2)
         process.kill()
         process.wait(timeout=30)
-        process.stderr.close()  # type: ignore[union-attr]  # not read: a grandchild may still hold its end
-        raise
-    rest = process.stderr.read()  # type: ignore[union-attr]
+        tail = drain.text(timeout_s=5)[-12_000:] if drain is not None else "(not read)"
+        process.stderr.close()  # type: ignore[union-attr]  # a grandchild may still hold its end
+        raise AssertionError(f"{process.args!r} did not exit within {timeout_s:g} s of Ctrl-C; the end of its "
+                             f"stderr:\n{tail}") from exc
+    if drain is not None:
+        rest = drain.text()
+    else:
+        rest = process.stderr.read()  # type: ignore[union-attr]
     process.stderr.close()  # type: ignore[union-attr]
     return code, rest
 
@@ -589,13 +619,16 @@ def local_dynctl_serve(command: list[str], timeout_s: float, env: dict[str, str]
     env = {**(os.environ if env is None else env), "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
     process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True, cwd=cwd)
+    drain = None
     try:
         banner = wait_for_line(process, '"messages"', timeout_s)  # the last line of the banner
         served = Served(banner, banner_port(banner))
+        drain = StderrDrain(process)
+        drain.start()
         yield served
     finally:
         try:
-            code, rest = stop_by_sigint(process)
+            code, rest = stop_by_sigint(process, drain)
         finally:
             shutil.rmtree(ray_tmp, ignore_errors=True)
     served.code, served.rest = code, rest

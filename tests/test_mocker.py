@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -537,6 +538,10 @@ def test_standalone_mocker_serves_the_openai_client(dynctl: str) -> None:
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
         _check_sglang_router_bodies(f"http://127.0.0.1:{port}")
+        process.send_signal(signal.SIGUSR1)  # every thread's stack to stderr, and it goes on serving
+        stacks = wait_for_line(process, "dynserve/cli/mocker.py", 30)  # the main thread, in main()
+        assert "most recent call first" in stacks
+        assert [m.id for m in client.models.list()] == [MODEL]
     finally:
         code, rest = stop_by_sigint(process)
     assert code == 0 and "stopped" in rest

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,8 +67,6 @@ def test_tests_reaching_the_model_or_ray_are_marked_so_and_left_out_of_the_fast_
 def test_waiting_for_a_silent_process_ends_at_its_deadline() -> None:
     """`wait_for_line` kills a process that writes nothing by the deadline (a blocked read would hang the
     run)."""
-    import time
-
     from conftest import wait_for_line
 
     process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stderr=subprocess.PIPE,
@@ -77,3 +76,40 @@ def test_waiting_for_a_silent_process_ends_at_its_deadline() -> None:
         wait_for_line(process, "never", 1)
     assert time.monotonic() - start_s < 10 and process.wait(10) != 0
     process.stderr.close()  # type: ignore[union-attr]
+
+
+_CHATTY_UNTIL_SIGINT = """
+import signal, sys, time
+{handler}
+sys.stderr.write("ready\\n"); sys.stderr.flush()
+for i in range(4000):  # 400 KiB: far past a pipe's 64 KiB, so an unread pipe would block this writer
+    sys.stderr.write(f"{{i:07d}} " + "x" * 92 + "\\n")
+sys.stderr.write("written\\n"); sys.stderr.flush()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("ignores_sigint", [False, True])
+def test_a_drained_fleet_never_blocks_on_its_stderr_and_a_hang_shows_its_log(ignores_sigint: bool) -> None:
+    """`local_dynctl_serve` drains a fleet's stderr (`StderrDrain`): a process that writes far more than a pipe
+    holds after its banner still stops on Ctrl-C with all of it read, and one that ignores Ctrl-C fails its
+    test with the end of its log instead of a bare timeout."""
+    from conftest import StderrDrain, stop_by_sigint, wait_for_line
+
+    handler = "signal.signal(signal.SIGINT, signal.SIG_IGN)" if ignores_sigint else ""
+    process = subprocess.Popen([sys.executable, "-c", _CHATTY_UNTIL_SIGINT.format(handler=handler)],
+                               stderr=subprocess.PIPE, text=True)
+    wait_for_line(process, "ready", 30)
+    drain = StderrDrain(process)
+    drain.start()
+    deadline_s = time.monotonic() + 30
+    while not any("written" in line for line in drain.lines[-2:]):
+        assert time.monotonic() < deadline_s, "the writer blocked: its pipe was not drained"
+        time.sleep(0.05)
+    if ignores_sigint:
+        with pytest.raises(AssertionError, match=r"(?s)did not exit within 1 s of Ctrl-C.*written"):
+            stop_by_sigint(process, drain, timeout_s=1)
+        assert process.poll() is not None
+    else:
+        code, rest = stop_by_sigint(process, drain, timeout_s=10)
+        assert code != 0 and rest.count("x" * 92) == 4000

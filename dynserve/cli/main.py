@@ -2,7 +2,8 @@
 
 Every engine flag is generated from a `Settings` field and has an environment twin (`--kv-blocks` /
 `DYN_KV_BLOCKS`), shown in `--help` (`options.py`). Exit codes: 0 success, 1 runtime failure, 2 bad usage or
-input.
+input. `kill -USR1 <pid>` makes a running `dynctl` write every thread's Python stack to stderr and go on
+(`options.dump_stacks_on_sigusr1`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import logging
 import sys
 import time
 
-from dynserve.cli.options import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_settings_group, settings_from
+from dynserve.cli.options import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_settings_group, dump_stacks_on_sigusr1,
+                                  settings_from)
 from dynserve.errors import DynserveError, InvalidRequestError
 from dynserve.protocol import SamplingParams
 
@@ -133,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return mocker_main(argv[1:])
     args = _build_parser().parse_args(argv)
+    dump_stacks_on_sigusr1()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "generate":

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 
-from dynserve.cli.options import EXIT_USAGE, add_settings_group, settings_from
+from dynserve.cli.options import EXIT_USAGE, add_settings_group, dump_stacks_on_sigusr1, settings_from
 from dynserve.config import Settings
 from dynserve.errors import InvalidRequestError
 from dynserve.gateway.server import make_gateway_app, serve_app_async
@@ -66,6 +66,7 @@ async def serve_standalone(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    dump_stacks_on_sigusr1()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         settings = settings_from(args)

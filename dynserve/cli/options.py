@@ -9,6 +9,8 @@ failure, 2 bad usage or input.
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 from typing import Any, get_args, get_origin
 
 import pydantic
@@ -19,6 +21,12 @@ from dynserve.errors import InvalidRequestError
 __all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_USAGE", "add_settings_group", "settings_from", "with_models_file"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """From now on SIGUSR1 makes this process write every thread's Python stack to stderr and go on: where a
+    process that seems stuck (a shutdown that does not end) is. Every long-running `dynctl` command calls it."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def add_settings_group(parser: argparse.ArgumentParser, group_name: str, *, only: set[str] | None = None,
