@@ -579,15 +579,15 @@ def stop_by_sigint(process: subprocess.Popen[str], drain: StderrDrain | None = N
     try:
         code = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired as exc:
-        if drain is not None:  # a dynctl writes every thread's stack on SIGUSR1: where it hangs, into the error
+        if drain is not None:  # a dynctl writes its threads' stacks on SIGUSR1: where it hangs, in the error
             process.send_signal(signal.SIGUSR1)
             time.sleep(2)
         process.kill()
         process.wait(timeout=30)
         tail = drain.text(timeout_s=5)[-12_000:] if drain is not None else "(not read)"
         process.stderr.close()  # type: ignore[union-attr]  # a grandchild may still hold its end
-        raise AssertionError(f"{process.args!r} did not exit within {timeout_s:g} s of Ctrl-C; the end of its "
-                             f"stderr:\n{tail}") from exc
+        raise AssertionError(f"{process.args!r} did not exit within {timeout_s:g} s of Ctrl-C; the end of "
+                             f"its stderr:\n{tail}") from exc
     if drain is not None:
         rest = drain.text()
     else:

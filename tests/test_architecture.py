@@ -18,7 +18,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "dynserve"
 
 # The shared language: every part may import it, and it imports only itself.
-SHARED = {"dynserve.config", "dynserve.protocol", "dynserve.hashing", "dynserve.errors", "dynserve.framing"}
+SHARED = {"dynserve.config", "dynserve.protocol", "dynserve.hashing", "dynserve.errors", "dynserve.framing",
+          "dynserve.shutdown"}
 PARTS = ["model", "engine", "workers", "kv_transfer", "router", "events", "gateway", "observability", "planner",
          "operator", "cli"]
 

@@ -91,9 +91,9 @@ time.sleep(60)
 
 @pytest.mark.parametrize("ignores_sigint", [False, True])
 def test_a_drained_fleet_never_blocks_on_its_stderr_and_a_hang_shows_its_log(ignores_sigint: bool) -> None:
-    """`local_dynctl_serve` drains a fleet's stderr (`StderrDrain`): a process that writes far more than a pipe
-    holds after its banner still stops on Ctrl-C with all of it read, and one that ignores Ctrl-C fails its
-    test with the end of its log instead of a bare timeout."""
+    """`local_dynctl_serve` drains a fleet's stderr (`StderrDrain`): a process that writes far more than a
+    pipe holds after its banner still stops on Ctrl-C with all of it read, and one that ignores Ctrl-C fails
+    its test with the end of its log instead of a bare timeout."""
     from conftest import StderrDrain, stop_by_sigint, wait_for_line
 
     handler = "signal.signal(signal.SIGINT, signal.SIG_IGN)" if ignores_sigint else ""

@@ -14,8 +14,8 @@ import logging
 import sys
 import time
 
-from dynserve.cli.options import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_settings_group, dump_stacks_on_sigusr1,
-                                  settings_from)
+from dynserve.cli.options import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, add_settings_group,
+                                  dump_stacks_on_sigusr1, settings_from)
 from dynserve.errors import DynserveError, InvalidRequestError
 from dynserve.protocol import SamplingParams
 

@@ -25,7 +25,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def dump_stacks_on_sigusr1() -> None:
     """From now on SIGUSR1 makes this process write every thread's Python stack to stderr and go on: where a
-    process that seems stuck (a shutdown that does not end) is. Every long-running `dynctl` command calls it."""
+    process that seems stuck (a shutdown that does not end) is. Every `dynctl` command calls it."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 

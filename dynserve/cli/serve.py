@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from dynserve import shutdown
 from dynserve.config import Settings, ray_system_config
 from dynserve.errors import ModelLoadError
 
@@ -33,6 +34,9 @@ __all__ = ["serve", "start_ray", "with_fleet_token"]
 logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
+# How long each shutdown step of `dynctl serve` (the planner, Prometheus, each pool) may take before it is
+# left behind (`shutdown.step`); a pool's close only ends its workers and deregisters them
+SHUTDOWN_STEP_S = 15.0
 
 
 def start_ray(settings: Settings) -> bool:
@@ -293,14 +297,15 @@ async def _serve(settings: Settings, tokenizers: list[Any], *, check_fit: bool =
             announced.append(asyncio.get_running_loop().create_task(announce(port)))
 
         await serve_app_async(app, settings, on_ready)  # returns after SIGINT/SIGTERM and a graceful shutdown
-    finally:
+    finally:  # each step bounded (`shutdown.step`): one that never ends must not keep the fleet up
         for task in announced:
             task.cancel()
         if planning is not None:
-            await planning.stop()
+            await shutdown.step("the planner", planning.stop(), SHUTDOWN_STEP_S)
         for server in prometheus:
-            await asyncio.to_thread(server.stop)
-        await asyncio.gather(*(pool.close() for pool, _n in pools))
+            await shutdown.step("Prometheus", asyncio.to_thread(server.stop), SHUTDOWN_STEP_S)
+        await asyncio.gather(*(shutdown.step(f"pool {pool.name}", pool.close(), SHUTDOWN_STEP_S)
+                               for pool, _n in pools))
 
 
 async def _start_prometheus(settings: Settings, port: int, started: list[Any]) -> str | None:

@@ -13,11 +13,13 @@ from collections.abc import Sequence
 import msgspec
 import redis.asyncio as aioredis
 
+from dynserve import shutdown
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.protocol import KVEvent, WorkerInfo
 
 __all__ = ["RedisEventPlane"]
 
+CLOSE_TIMEOUT_S = 5.0
 _ENCODER = msgspec.msgpack.Encoder()
 _BATCH = msgspec.msgpack.Decoder(EventBatch)
 _INFO = msgspec.msgpack.Decoder(WorkerInfo)
@@ -65,4 +67,6 @@ class RedisEventPlane(EventPlane):
         return sorted((_INFO.decode(v) for v in values if v is not None), key=lambda i: i.worker_id)
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        """Close the connections, within `CLOSE_TIMEOUT_S` (a close that waits on its socket forever, which
+        redis-py's asyncio client can, is left behind with a warning)."""
+        await shutdown.step("the Redis connections", self._redis.aclose(), CLOSE_TIMEOUT_S)

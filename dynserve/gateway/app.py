@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import dynserve
+from dynserve import shutdown
 from dynserve.config import Settings
 from dynserve.events.base import EventBatch, EventPlane
 from dynserve.gateway.admission import Admission
@@ -97,6 +98,9 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, eve
     return Gateway(state, api)
 
 
+# How long each of the lifespan's shutdown steps may take before it is left behind (`shutdown.step`)
+SHUTDOWN_STEP_S = 10.0
+
 def _lifespan(settings: Settings, backends: list[Backend], events: EventPlane | None,
               discovery: ModelDiscovery | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The FastAPI lifespan: connect to the workers, feed each KV router from the event plane, and follow the
@@ -109,13 +113,17 @@ def _lifespan(settings: Settings, backends: list[Backend], events: EventPlane | 
         following = asyncio.create_task(discovery.run(), name="model-discovery") if discovery else None
         try:
             yield
-        finally:
+        finally:  # each step bounded (`shutdown.step`): one that never ends must not keep the process up
             if following is not None:
                 following.cancel()
-                await asyncio.gather(following, return_exceptions=True)
-                await discovery.close()  # type: ignore[union-attr]
-            await asyncio.gather(*(stop() for stop in stops))
-            await asyncio.gather(*(backend.stop() for backend in backends))
+                await shutdown.step("model discovery", asyncio.gather(following, return_exceptions=True),
+                                    SHUTDOWN_STEP_S)
+                await shutdown.step("model discovery's registry",
+                                    discovery.close(), SHUTDOWN_STEP_S)  # type: ignore[union-attr]
+            await shutdown.step("KV event consumers", asyncio.gather(*(stop() for stop in stops)),
+                                SHUTDOWN_STEP_S)
+            await shutdown.step("worker connections",
+                                asyncio.gather(*(backend.stop() for backend in backends)), SHUTDOWN_STEP_S)
 
     return lifespan
 

@@ -1,0 +1,76 @@
+"""`dynserve.shutdown.step`: a shutdown step that ends, fails, or never ends (even one that swallows its
+cancellation) costs at most its timeout, and a warning names the one left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import pytest
+
+from dynserve.shutdown import step
+
+
+def test_a_step_that_ends_in_time_is_waited_for() -> None:
+    ran = []
+
+    async def close() -> None:
+        await asyncio.sleep(0.01)
+        ran.append(True)
+
+    assert asyncio.run(step("the thing", close(), 5.0)) is True
+    assert ran == [True]
+
+
+def test_a_step_that_never_ends_is_left_behind_with_its_name(caplog: pytest.LogCaptureFixture) -> None:
+    """Even one that swallows its cancellation (a task whose cancel got lost) costs only the timeout."""
+    cancels = []
+
+    async def stubborn() -> None:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels.append(True)  # swallowed: keeps going
+
+    async def main() -> tuple[bool, float]:
+        start_s = time.monotonic()
+        done = await step("pool decode", stubborn(), 0.2)
+        elapsed_s = time.monotonic() - start_s
+        await asyncio.sleep(0)  # the cancellation reaches the task
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:  # asyncio.run would wait for it forever
+            task.get_coro().close()  # type: ignore[union-attr]
+        return done, elapsed_s
+
+    with caplog.at_level(logging.WARNING, logger="dynserve.shutdown"):
+        done, elapsed_s = asyncio.run(main())
+    assert done is False and 0.2 <= elapsed_s < 2.0 and cancels == [True]
+    assert "shutdown: pool decode still running after 0.2 s" in caplog.text
+
+
+def test_a_failed_step_is_logged_and_the_next_steps_run(caplog: pytest.LogCaptureFixture) -> None:
+    async def broken() -> None:
+        raise ConnectionError("reset by peer")
+
+    async def main() -> list[bool]:
+        return [await step("the Redis connections", broken(), 1.0), await step("next", asyncio.sleep(0), 1.0)]
+
+    with caplog.at_level(logging.WARNING, logger="dynserve.shutdown"):
+        assert asyncio.run(main()) == [False, True]
+    assert "shutdown: the Redis connections failed (ConnectionError('reset by peer'))" in caplog.text
+
+
+def test_cancelling_the_caller_cancels_the_step() -> None:
+    async def main() -> bool:
+        inner = asyncio.ensure_future(asyncio.sleep(3600))
+        outer = asyncio.ensure_future(step("slow", inner, 60.0))
+        await asyncio.sleep(0.01)
+        outer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await outer
+        await asyncio.sleep(0)
+        return inner.cancelled()
+
+    assert asyncio.run(main()) is True
