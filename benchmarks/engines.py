@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,7 +43,7 @@ from typing import Any
 import httpx
 
 from benchmarks._chat_workload import play, summarize
-from benchmarks._common import client_priority, git_commit, log, machine_info, write_result
+from benchmarks._common import BackgroundLoop, client_priority, git_commit, log, machine_info, write_result
 from benchmarks._dynctl import metric_samples, tree_cpu_s
 from benchmarks._pressure import PressureSampler, around
 from benchmarks._services import ensure_sglang_router, start_sglang_router
@@ -125,29 +124,26 @@ def parse_series(text: str) -> dict[str, float]:
     return out
 
 
-class QueueSampler(threading.Thread):
+class QueueSampler(BackgroundLoop):
     """Samples each server's running and waiting requests every `interval_s` while a phase plays: the
     queue each front end's choices left on each worker, which per-request latencies alone do not show."""
 
     def __init__(self, servers: list[VllmServer], interval_s: float = 0.5) -> None:
-        super().__init__(daemon=True)
+        super().__init__("vllm-queues")
         self.servers, self.interval_s = servers, interval_s
         self.samples: list[list[tuple[float, float]]] = []  # per sample: (running, waiting) per server
-        self._stop_event = threading.Event()
 
-    def run(self) -> None:
-        while not self._stop_event.wait(self.interval_s):
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
             try:
                 series = [server_series(s) for s in self.servers]
             except httpx.HTTPError:
                 continue
             self.samples.append([(s["num_requests_running"], s["num_requests_waiting"]) for s in series])
 
-    def stop(self) -> dict[str, float]:
-        """Stops sampling; the time means: each server's requests in it, the |difference| between the two
+    def summary(self) -> dict[str, float]:
+        """The time means of what was sampled: each server's requests in it, the |difference| between the
         busiest and idlest, and the share of samples with one server idle while another has two or more."""
-        self._stop_event.set()
-        self.join()
         if not self.samples:
             return {}
         totals = [[running + waiting for running, waiting in sample] for sample in self.samples]
@@ -170,12 +166,12 @@ def run_phase(name: str, port: int, plan: Plan, seed: int, model: str, front_end
     start_s = time.monotonic()
     cpu_before = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
     series_before = [server_series(s) for s in servers]
-    sampler = QueueSampler(servers)
-    sampler.start()
-    # the client above the servers it measures (benchmarks._common); the machine's stalls beside it
-    with client_priority() as niceness, PressureSampler(start_s) as pressure:
-        results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
-    queues = sampler.stop()
+    # the queue sampler at the servers' priority, the client above them (benchmarks._common); the machine's
+    # stalls beside it
+    with QueueSampler(servers) as queue_sampler:
+        with client_priority() as niceness, PressureSampler(start_s) as pressure:
+            results, num_retries = asyncio.run(play(workload, "127.0.0.1", port, model))
+    queues = queue_sampler.summary()
     machine = around(pressure.rows, 0.0, math.inf)
     cpu_after = (tree_cpu_s(front_end_pid), sum(tree_cpu_s(s.process.pid) for s in servers))
     deltas = [{key: after[key] - before[key] for key in _COUNTERS}

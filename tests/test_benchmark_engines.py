@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks._dynctl import tree_cpu_s
-from benchmarks.engines import PHASES, parse_series, phase_order
+from benchmarks.engines import PHASES, QueueSampler, parse_series, phase_order
 
 
 def test_each_phase_comes_first_and_last_once_in_three_runs() -> None:
@@ -51,3 +51,41 @@ def test_a_process_trees_cpu_counts_its_childrens_work() -> None:
         parent.kill()
         parent.wait()
     assert tree_cpu_s(parent.pid) == 0.0  # gone: nothing to count
+
+
+def test_the_queue_sampler_reads_each_servers_queue_until_its_block_ends() -> None:
+    """`QueueSampler` polls each server's `/metrics` (here one serving the recorded vLLM page) from its block's
+    start to its end, and sums up what it saw per server and across them."""
+    import http.server
+    import threading
+    from types import SimpleNamespace
+
+    page = (Path(__file__).parent / "fixtures" / "vllm" / "0.32.0" / "metrics.txt").read_bytes()
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        fake = SimpleNamespace(port=server.server_address[1])
+        with QueueSampler([fake, fake], interval_s=0.02) as sampler:  # type: ignore[list-item]
+            time.sleep(0.3)
+        count = len(sampler.samples)
+        time.sleep(0.1)
+        assert count >= 3 and len(sampler.samples) == count  # it stopped with its block
+    finally:
+        server.shutdown()
+        server.server_close()
+    series = parse_series(page.decode())
+    queue = series["num_requests_running"] + series["num_requests_waiting"]
+    summary = sampler.summary()
+    assert summary["queue_mean_by_worker"] == [queue, queue]
+    assert summary["queue_imbalance_mean"] == 0.0 and summary["waiting_mean"] == 2 * series["num_requests_waiting"]
