@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import io
 import signal
 from typing import Any, get_args, get_origin
 
@@ -25,8 +26,12 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 def dump_stacks_on_sigusr1() -> None:
     """From now on SIGUSR1 makes this process write every thread's Python stack to stderr and go on: where a
-    process that seems stuck (a shutdown that does not end) is. Every `dynctl` command calls it."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    process that seems stuck (a shutdown that does not end) is. Every `dynctl` command calls it; where stderr
+    is not a file (`main` called with stderr captured in memory) it does nothing."""
+    try:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    except (AttributeError, ValueError, io.UnsupportedOperation):  # stderr is no file: main() run in-process
+        pass
 
 
 def add_settings_group(parser: argparse.ArgumentParser, group_name: str, *, only: set[str] | None = None,
