@@ -173,3 +173,26 @@ def test_ops_run_in_eager_torch_are_counted(monkeypatch: pytest.MonkeyPatch) -> 
     eager.note_fallback("triton", "qkv bias and q/k norm")
     families = {f.name: f for f in metrics.collect()}
     assert [s.value for s in families["dynserve_worker_engine_op_fallbacks"].samples] == [3.0]
+
+
+def test_a_stalled_scraper_does_not_hold_off_the_next_scrape() -> None:
+    """The metrics server answers one scrape at a time; a client that connects and sends nothing is dropped
+    after the client timeout, so the scrape behind it is answered."""
+    import socket
+    import time
+
+    from dynserve.workers.metrics import serve_metrics
+
+    registry = CollectorRegistry()
+    Histogram("probe_seconds", "a series to serve", registry=registry).observe(0.1)
+    server, port = serve_metrics(registry, "127.0.0.1", 0, client_timeout_s=0.5)
+    stalled = socket.create_connection(("127.0.0.1", port))  # connects, then says nothing
+    try:
+        start_s = time.monotonic()
+        response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert response.status_code == 200 and "probe_seconds_count 1.0" in response.text
+        assert time.monotonic() - start_s < 5
+    finally:
+        stalled.close()
+        server.shutdown()
+        server.server_close()

@@ -312,9 +312,16 @@ class _Collector:
         return self._metrics.collect()
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:
+# How long the worker's metrics server waits on a scraper's connection before it drops it
+SCRAPE_CLIENT_TIMEOUT_S = 10.0
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int,
+                  client_timeout_s: float = SCRAPE_CLIENT_TIMEOUT_S) -> tuple[Any, int]:
     """Serve `registry` at http://host:port/metrics from a daemon thread, one scrape at a time, always in
-    Prometheus's text format 0.0.4; returns (server, port bound). `server.shutdown()` stops it.
+    Prometheus's text format 0.0.4; returns (server, port bound). `server.shutdown()` stops it. A client that
+    connects and then sends or reads nothing is dropped after `client_timeout_s`: one at a time, a stalled
+    scraper would otherwise hold every later scrape off for good.
 
     Why not `prometheus_client.start_http_server`: it starts a thread per request and answers a scraper that
     accepts OpenMetrics in it, whose writer escapes every label value a character at a time; on a 2-core
@@ -326,6 +333,8 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[An
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = client_timeout_s  # on the connection's socket: each read and write
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                 self.send_error(404)
