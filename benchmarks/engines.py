@@ -141,7 +141,7 @@ class QueueSampler(BackgroundLoop):
                 continue
             self.samples.append([(s["num_requests_running"], s["num_requests_waiting"]) for s in series])
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, Any]:
         """The time means of what was sampled: each server's requests in it, the |difference| between the
         busiest and idlest, and the share of samples with one server idle while another has two or more."""
         if not self.samples:

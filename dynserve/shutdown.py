@@ -1,7 +1,10 @@
 """Bounded shutdown steps. A process that stops (Ctrl-C, SIGTERM) runs its steps one after another: stop
 following the registry, stop the KV consumers, close the event plane's connections, end the pools. One step
-that never ends (a connection whose close waits on a peer, a task that lost its cancellation) must not keep
-the process alive, so each runs under `step`: given `timeout_s`, then left behind with a warning naming it.
+that does not end (a connection whose close waits on a peer forever) must not hold up the steps after it (the
+pools' workers still end), so each runs under `step`: given `timeout_s`, then cancelled and left behind with a
+warning naming it. What it guarantees is that the later steps run; the loop's own close cancels what is left
+once more and waits for it, so a step that swallows every cancellation can still keep the process up (the
+warning says which).
 
 Only the shared language: every part may use it.
 """
@@ -18,12 +21,21 @@ __all__ = ["step"]
 
 logger = logging.getLogger("dynserve.shutdown")
 
+# Steps left behind, held until they end (the loop holds tasks only weakly) so their end is logged
+_left_behind: set[asyncio.Future[Any]] = set()
+
+
+def _reap(task: asyncio.Future[Any]) -> None:
+    _left_behind.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("shutdown: a step left behind failed at last (%r)", task.exception())
+
 
 async def step(name: str, awaitable: Awaitable[Any], timeout_s: float) -> bool:
     """Run `awaitable` for at most `timeout_s`; True when it ended in time without an error. Past the
-    timeout it is cancelled and not waited for (it may ignore the cancellation), and a warning names `name`;
-    an error it raises is logged, not raised (the steps after it still run). Cancelling `step` itself cancels
-    the step's task too."""
+    timeout it is cancelled and not waited for (held until it ends, its error then logged), and a warning
+    names `name`; an error it raises is logged, not raised (the steps after it still run). Cancelling `step`
+    itself cancels the step's task too."""
     start_s = time.monotonic()
     task = asyncio.ensure_future(awaitable)
     try:
@@ -33,6 +45,8 @@ async def step(name: str, awaitable: Awaitable[Any], timeout_s: float) -> bool:
         raise
     if not done:
         task.cancel()
+        _left_behind.add(task)
+        task.add_done_callback(_reap)
         logger.warning("shutdown: %s still running after %g s; going on without it", name, timeout_s)
         return False
     if task.cancelled():

@@ -585,15 +585,22 @@ def stop_by_sigint(process: subprocess.Popen[str], drain: StderrDrain | None = N
         process.kill()
         process.wait(timeout=30)
         tail = drain.text(timeout_s=5)[-12_000:] if drain is not None else "(not read)"
-        process.stderr.close()  # type: ignore[union-attr]  # a grandchild may still hold its end
+        _close_unless_read(process, drain)
         raise AssertionError(f"{process.args!r} did not exit within {timeout_s:g} s of Ctrl-C; the end of "
                              f"its stderr:\n{tail}") from exc
     if drain is not None:
         rest = drain.text()
     else:
         rest = process.stderr.read()  # type: ignore[union-attr]
-    process.stderr.close()  # type: ignore[union-attr]
+    _close_unless_read(process, drain)
     return code, rest
+
+
+def _close_unless_read(process: subprocess.Popen[str], drain: StderrDrain | None) -> None:
+    """Close `process`'s stderr pipe, unless `drain` is still reading it (a grandchild holds its end open):
+    the close would wait for that read forever; the daemon thread ends at the pipe's end instead."""
+    if drain is None or not drain.is_alive():
+        process.stderr.close()  # type: ignore[union-attr]
 
 
 @dataclass

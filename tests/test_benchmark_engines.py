@@ -54,8 +54,8 @@ def test_a_process_trees_cpu_counts_its_childrens_work() -> None:
 
 
 def test_the_queue_sampler_reads_each_servers_queue_until_its_block_ends() -> None:
-    """`QueueSampler` polls each server's `/metrics` (here one serving the recorded vLLM page) from its block's
-    start to its end, and sums up what it saw per server and across them."""
+    """`QueueSampler` polls each server's `/metrics` (here one serving the recorded vLLM page) from its
+    block's start to its end, and sums up what it saw per server and across them."""
     import http.server
     import threading
     from types import SimpleNamespace
@@ -77,7 +77,10 @@ def test_the_queue_sampler_reads_each_servers_queue_until_its_block_ends() -> No
     try:
         fake = SimpleNamespace(port=server.server_address[1])
         with QueueSampler([fake, fake], interval_s=0.02) as sampler:  # type: ignore[list-item]
-            time.sleep(0.3)
+            deadline_s = time.monotonic() + 10
+            while len(sampler.samples) < 3:  # a sample reads and parses two pages: slow on a busy machine
+                assert time.monotonic() < deadline_s, sampler.samples
+                time.sleep(0.02)
         count = len(sampler.samples)
         time.sleep(0.1)
         assert count >= 3 and len(sampler.samples) == count  # it stopped with its block
@@ -88,4 +91,5 @@ def test_the_queue_sampler_reads_each_servers_queue_until_its_block_ends() -> No
     queue = series["num_requests_running"] + series["num_requests_waiting"]
     summary = sampler.summary()
     assert summary["queue_mean_by_worker"] == [queue, queue]
-    assert summary["queue_imbalance_mean"] == 0.0 and summary["waiting_mean"] == 2 * series["num_requests_waiting"]
+    assert summary["queue_imbalance_mean"] == 0.0
+    assert summary["waiting_mean"] == 2 * series["num_requests_waiting"]

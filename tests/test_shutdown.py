@@ -74,3 +74,26 @@ def test_cancelling_the_caller_cancels_the_step() -> None:
         return inner.cancelled()
 
     assert asyncio.run(main()) is True
+
+
+def test_a_step_left_behind_is_held_and_its_late_error_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """A step that outlives its timeout and then fails in its cleanup: held until it ends (not collected
+    mid-flight), its error logged then (not "Task exception was never retrieved")."""
+    from dynserve import shutdown
+
+    async def slow_then_broken() -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+            raise ConnectionError("closed under it") from None
+
+    async def main() -> tuple[bool, int, int]:
+        done = await step("the Redis connections", slow_then_broken(), 0.05)
+        held = len(shutdown._left_behind)
+        await asyncio.sleep(0.2)
+        return done, held, len(shutdown._left_behind)
+
+    with caplog.at_level(logging.WARNING, logger="dynserve.shutdown"):
+        assert asyncio.run(main()) == (False, 1, 0)
+    assert "a step left behind failed at last (ConnectionError('closed under it'))" in caplog.text

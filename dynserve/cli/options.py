@@ -27,10 +27,10 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 def dump_stacks_on_sigusr1() -> None:
     """From now on SIGUSR1 makes this process write every thread's Python stack to stderr and go on: where a
     process that seems stuck (a shutdown that does not end) is. Every `dynctl` command calls it; where stderr
-    is not a file (`main` called with stderr captured in memory) it does nothing."""
+    is not a file (`main` called with stderr captured in memory) or missing, it does nothing."""
     try:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    except (AttributeError, ValueError, io.UnsupportedOperation):  # stderr is no file: main() run in-process
+    except (AttributeError, ValueError, RuntimeError, io.UnsupportedOperation):  # stderr none, or not a file
         pass
 
 

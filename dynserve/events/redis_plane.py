@@ -68,5 +68,6 @@ class RedisEventPlane(EventPlane):
 
     async def close(self) -> None:
         """Close the connections, within `CLOSE_TIMEOUT_S` (a close that waits on its socket forever, which
-        redis-py's asyncio client can, is left behind with a warning)."""
+        redis-py's asyncio client can, is left behind with a warning); never raises (a failed close is
+        logged as a shutdown step's)."""
         await shutdown.step("the Redis connections", self._redis.aclose(), CLOSE_TIMEOUT_S)

@@ -101,6 +101,7 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, eve
 # How long each of the lifespan's shutdown steps may take before it is left behind (`shutdown.step`)
 SHUTDOWN_STEP_S = 10.0
 
+
 def _lifespan(settings: Settings, backends: list[Backend], events: EventPlane | None,
               discovery: ModelDiscovery | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The FastAPI lifespan: connect to the workers, feed each KV router from the event plane, and follow the

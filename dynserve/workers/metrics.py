@@ -313,7 +313,8 @@ class _Collector:
 
 
 # How long the worker's metrics server waits on a scraper's connection before it drops it
-SCRAPE_CLIENT_TIMEOUT_S = 10.0
+# (the fleet's Prometheus scrapes every 5 s: `Settings.scrape_interval_s`)
+SCRAPE_CLIENT_TIMEOUT_S = 5.0
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int,
