@@ -12,6 +12,7 @@ Then **added latency at concurrency 1**: short streamed completions one at a tim
 directly and through a gateway over it alone; `added_p50_ms_c1` is the difference of the TTFT p50s.
 
     python -m benchmarks.engines [--quick] [--runs 3]
+    python -m benchmarks.engines --floor 8     # the first 8 conversations one at a time: the idle floor
 
 Before the first run each vLLM server is warmed up with a few conversations of the same shapes played to it
 directly (its first prompts of a length pay for compiling and caching its CPU kernels; unwarmed, that cost
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import statistics
@@ -42,7 +44,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._chat_workload import play, summarize
+from benchmarks._chat_workload import ChatWorkload, TurnResult, play, summarize
 from benchmarks._common import BackgroundLoop, client_priority, git_commit, log, machine_info, write_result
 from benchmarks._dynctl import metric_samples, tree_cpu_s
 from benchmarks._pressure import PressureSampler, around
@@ -261,6 +263,51 @@ def front_end(phase: str, servers: list[VllmServer], model_dir: Path, sglang: Pa
         router_service.stop()
 
 
+def one_at_a_time(workload: ChatWorkload, num_conversations: int) -> list[ChatWorkload]:
+    """The first `num_conversations` of `workload`, each alone (starting at once), to be played one after
+    another: every turn then finds its worker idle."""
+    return [dataclasses.replace(workload, conversations=(dataclasses.replace(conv, start_s=0.0),))
+            for conv in workload.conversations[:num_conversations]]
+
+
+def floor_summary(results: list[TurnResult]) -> dict[str, Any]:
+    """TTFT p50 of every turn, of the returning turns (1 on) and per turn, in ms."""
+    ttfts = [1000 * r.ttft_s for r in results]
+    by_turn: dict[int, list[float]] = {}
+    for r in results:
+        by_turn.setdefault(r.turn, []).append(1000 * r.ttft_s)
+    return {"ttft_p50_ms": statistics.median(ttfts),
+            "ttft_p50_ms_returning": statistics.median(1000 * r.ttft_s for r in results if r.turn > 0),
+            "ttft_p50_ms_by_turn": [statistics.median(by_turn[t]) for t in sorted(by_turn)]}
+
+
+def floor(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, sglang: Path, log_dir: Path,
+          num_conversations: int) -> dict[str, Any]:
+    """`--floor`: the plan's first conversations played one at a time (no other request in flight) directly
+    to the first server, then through each front end over both, caches reset before each: what a turn costs
+    on an idle worker, the floor under the full runs' TTFT."""
+    alone = one_at_a_time(plan.workload(seed, speedup=1.0), num_conversations)
+
+    def play_all(port: int) -> list[TurnResult]:
+        results: list[TurnResult] = []
+        for workload in alone:
+            results += asyncio.run(play(workload, "127.0.0.1", port, model_dir.name))[0]
+        return results
+
+    out: dict[str, Any] = {}
+    for name in ("direct", "kv", "sglang"):
+        reset_caches(servers)
+        if name == "direct":
+            out[name] = floor_summary(play_all(servers[0].port))
+        else:
+            with front_end(name, servers, model_dir, sglang, log_dir) as (port, _pid):
+                out[name] = floor_summary(play_all(port))
+        log(f"floor, {name}: TTFT p50 {out[name]['ttft_p50_ms']:.0f} ms, returning turns "
+            f"{out[name]['ttft_p50_ms_returning']:.0f} ms, by turn "
+            f"{[round(t) for t in out[name]['ttft_p50_ms_by_turn']]}")
+    return out
+
+
 def one_run(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, sglang: Path,
             log_dir: Path, num_c1: int, order: tuple[str, ...] = PHASES) -> dict[str, Any]:
     phases: dict[str, Any] = {}
@@ -283,6 +330,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-blocks", type=int, default=180,
                         help="each vLLM worker's KV cache in blocks of 32 tokens [default: 180]")
+    parser.add_argument("--floor", type=int, default=0, metavar="N",
+                        help="instead of the runs: the plan's first N conversations one at a time, direct and "
+                        "through each front end (what a turn costs on an idle worker)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     plan = QUICK_PLAN if args.quick else FULL_PLAN
@@ -302,6 +352,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with vllm_fleet(python, model_dir, model_dir.name, flags, num=2, log_dir=log_dir, envs=envs) as servers:
             log(f"vLLM ready in {servers[0].ready_s:.0f} s")
             warm_up(servers, model_dir.name)
+            if args.floor:
+                result = {"benchmark": "engines", "floor": floor(servers, model_dir, plan, args.seed, sglang,
+                                                                  log_dir, args.floor),
+                          "vllm": version, "commit": git_commit(), "machine": machine_info(), "plan": asdict(plan)}
+                write_result("engines", result, args.output)
+                return result
             for run in range(args.runs):
                 log(f"run {run + 1} of {args.runs}: {', '.join(phase_order(run))}")
                 runs.append(one_run(servers, model_dir, plan, args.seed + run, sglang, log_dir,
