@@ -331,8 +331,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--kv-blocks", type=int, default=180,
                         help="each vLLM worker's KV cache in blocks of 32 tokens [default: 180]")
     parser.add_argument("--floor", type=int, default=0, metavar="N",
-                        help="instead of the runs: the plan's first N conversations one at a time, direct and "
-                        "through each front end (what a turn costs on an idle worker)")
+                        help="instead of the runs: the plan's first N conversations one at a time, direct "
+                        "and through each front end (what a turn costs on an idle worker)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args(argv)
     plan = QUICK_PLAN if args.quick else FULL_PLAN
@@ -353,9 +353,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log(f"vLLM ready in {servers[0].ready_s:.0f} s")
             warm_up(servers, model_dir.name)
             if args.floor:
-                result = {"benchmark": "engines", "floor": floor(servers, model_dir, plan, args.seed, sglang,
-                                                                  log_dir, args.floor),
-                          "vllm": version, "commit": git_commit(), "machine": machine_info(), "plan": asdict(plan)}
+                measured = floor(servers, model_dir, plan, args.seed, sglang, log_dir, args.floor)
+                result = {"benchmark": "engines", "floor": measured, "vllm": version, "commit": git_commit(),
+                          "machine": machine_info(), "plan": asdict(plan)}
                 write_result("engines", result, args.output)
                 return result
             for run in range(args.runs):

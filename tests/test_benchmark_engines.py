@@ -104,10 +104,12 @@ def test_the_floor_plays_each_conversation_alone_and_reports_turns() -> None:
     workload = FULL_PLAN.workload(0, speedup=1.0)
     alone = one_at_a_time(workload, 3)
     assert [len(w.conversations) for w in alone] == [1, 1, 1]
-    assert all(w.conversations[0].start_s == 0.0 and w.system_prompts == workload.system_prompts for w in alone)
+    assert all(w.conversations[0].start_s == 0.0 for w in alone)
+    assert all(w.system_prompts == workload.system_prompts for w in alone)
     assert [w.conversations[0].user_turns for w in alone] == [c.user_turns for c in workload.conversations[:3]]
+    ttfts_s = [(1.9, 0.2, 0.21), (1.8, 0.19, 0.3)]  # two conversations of three turns
     results = [TurnResult(c, t, ttft_s, 1.0, 100, 0, 10)
-               for c, ttfts in enumerate([(1.9, 0.2, 0.21), (1.8, 0.19, 0.3)]) for t, ttft_s in enumerate(ttfts)]
+               for c, ttfts in enumerate(ttfts_s) for t, ttft_s in enumerate(ttfts)]
     summary = floor_summary(results)
     assert summary["ttft_p50_ms_by_turn"] == [1850.0, 195.0, 255.0]
     assert summary["ttft_p50_ms_returning"] == 205.0 and summary["ttft_p50_ms"] == 255.0
