@@ -549,6 +549,32 @@ def banner_port(banner: str) -> int:
     return int(match.group(1))
 
 
+@contextlib.contextmanager
+def http_get_standin(body: Callable[[], bytes]) -> Iterator[int]:
+    """A real HTTP server on a free 127.0.0.1 port answering every GET with `body()` (a stand-in for a peer's
+    page: vLLM's `/metrics`, the gateway's `/planner`); yields its port, and stops it on the way out."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            page = body()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            self.wfile.write(page)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 class StderrDrain(threading.Thread):
     """Reads a long-running process's stderr into memory from the moment it starts, so the process never
     blocks on a full pipe (a fleet on Ray forwards its workers' logs there) and a hang's log can be shown."""

@@ -56,26 +56,13 @@ def test_a_process_trees_cpu_counts_its_childrens_work() -> None:
 def test_the_queue_sampler_reads_each_servers_queue_until_its_block_ends() -> None:
     """`QueueSampler` polls each server's `/metrics` (here one serving the recorded vLLM page) from its
     block's start to its end, and sums up what it saw per server and across them."""
-    import http.server
-    import threading
     from types import SimpleNamespace
 
+    from conftest import http_get_standin
+
     page = (Path(__file__).parent / "fixtures" / "vllm" / "0.32.0" / "metrics.txt").read_bytes()
-
-    class Metrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the handler's API)
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(page)))
-            self.end_headers()
-            self.wfile.write(page)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metrics)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        fake = SimpleNamespace(port=server.server_address[1])
+    with http_get_standin(lambda: page) as port:
+        fake = SimpleNamespace(port=port)
         with QueueSampler([fake, fake], interval_s=0.02) as sampler:  # type: ignore[list-item]
             deadline_s = time.monotonic() + 10
             while len(sampler.samples) < 3:  # a sample reads and parses two pages: slow on a busy machine
@@ -84,9 +71,6 @@ def test_the_queue_sampler_reads_each_servers_queue_until_its_block_ends() -> No
         count = len(sampler.samples)
         time.sleep(0.1)
         assert count >= 3 and len(sampler.samples) == count  # it stopped with its block
-    finally:
-        server.shutdown()
-        server.server_close()
     series = parse_series(page.decode())
     queue = series["num_requests_running"] + series["num_requests_waiting"]
     summary = sampler.summary()

@@ -4,7 +4,6 @@ and its poller against a stand-in `GET /planner`. No fleet."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
 import threading
@@ -39,6 +38,7 @@ from benchmarks._pressure import PressureSampler, Reading, around, read_counters
 from benchmarks._streaming import StreamedCompletion
 from benchmarks.planner import fleet_for_rate
 from benchmarks.planner_trace import TraceRequest
+from conftest import http_get_standin
 from dynserve.planner import profile as profiles
 
 PROFILE = profiles.shipped("llama-3.1-70b-h100-tp4")
@@ -267,26 +267,8 @@ def test_worker_starts_count_what_the_targets_added_and_the_trickles_apart() -> 
 def planner_standin() -> Iterator[tuple[int, list[dict[str, object]]]]:
     """An HTTP server answering `GET /planner` with the last of `states` (a list the test appends to)."""
     states: list[dict[str, object]] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
-            body = json.dumps(states[-1]).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
-    thread.start()
-    try:
-        yield server.server_address[1], states
-    finally:
-        server.shutdown()
-        server.server_close()
+    with http_get_standin(lambda: json.dumps(states[-1]).encode()) as port:
+        yield port, states
 
 
 def test_the_poller_reads_every_models_pools(planner_standin: tuple[int, list[dict[str, object]]]) -> None:
