@@ -45,7 +45,8 @@ from typing import Any
 import httpx
 
 from benchmarks._chat_workload import ChatWorkload, TurnResult, play, summarize
-from benchmarks._common import BackgroundLoop, client_priority, git_commit, log, machine_info, write_result
+from benchmarks._common import (BackgroundLoop, client_priority, git_commit, log, machine_info, percentile,
+                                write_result)
 from benchmarks._dynctl import metric_samples, tree_cpu_s
 from benchmarks._pressure import PressureSampler, around
 from benchmarks._services import ensure_sglang_router, start_sglang_router
@@ -271,14 +272,10 @@ def one_at_a_time(workload: ChatWorkload, num_conversations: int) -> list[ChatWo
 
 
 def floor_summary(results: list[TurnResult]) -> dict[str, Any]:
-    """TTFT p50 of every turn, of the returning turns (1 on) and per turn, in ms."""
-    ttfts = [1000 * r.ttft_s for r in results]
-    by_turn: dict[int, list[float]] = {}
-    for r in results:
-        by_turn.setdefault(r.turn, []).append(1000 * r.ttft_s)
-    return {"ttft_p50_ms": statistics.median(ttfts),
-            "ttft_p50_ms_returning": statistics.median(1000 * r.ttft_s for r in results if r.turn > 0),
-            "ttft_p50_ms_by_turn": [statistics.median(by_turn[t]) for t in sorted(by_turn)]}
+    """The phases' summary (`summarize`: TTFT p50 of every turn and per turn, in ms, ...) and the TTFT p50 of
+    the returning turns (1 on)."""
+    return {**summarize(results, block_size=BLOCK_SIZE),
+            "ttft_p50_ms_returning": percentile([1000 * r.ttft_s for r in results if r.turn > 0], 50)}
 
 
 def floor(servers: list[VllmServer], model_dir: Path, plan: Plan, seed: int, sglang: Path, log_dir: Path,
