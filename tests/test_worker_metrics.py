@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 from typing import Any
 
 import httpx
@@ -175,9 +176,10 @@ def test_ops_run_in_eager_torch_are_counted(monkeypatch: pytest.MonkeyPatch) -> 
     assert [s.value for s in families["dynserve_worker_engine_op_fallbacks"].samples] == [3.0]
 
 
-def test_a_stalled_scraper_does_not_hold_off_the_next_scrape() -> None:
-    """The metrics server answers one scrape at a time; a client that connects and sends nothing is dropped
-    after the client timeout, so the scrape behind it is answered."""
+def test_neither_a_stalled_nor_a_trickling_client_holds_off_a_scrape() -> None:
+    """One client connects and says nothing; another sends bytes that never make a request line (as a stale
+    peer that took the port for a worker's channel sends it frames), more often than the client timeout. A
+    scrape behind both is answered at once, and each of them is dropped once a read waits the timeout."""
     import socket
     import time
 
@@ -187,12 +189,30 @@ def test_a_stalled_scraper_does_not_hold_off_the_next_scrape() -> None:
     Histogram("probe_seconds", "a series to serve", registry=registry).observe(0.1)
     server, port = serve_metrics(registry, "127.0.0.1", 0, client_timeout_s=0.5)
     stalled = socket.create_connection(("127.0.0.1", port))  # connects, then says nothing
+    trickling = socket.create_connection(("127.0.0.1", port))
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.2):
+            try:
+                trickling.sendall(b"\x00\x13frame")
+            except OSError:
+                return
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
     try:
+        time.sleep(0.3)  # both connections are with the server first
         start_s = time.monotonic()
         response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
         assert response.status_code == 200 and "probe_seconds_count 1.0" in response.text
-        assert time.monotonic() - start_s < 5
+        assert time.monotonic() - start_s < 0.4  # within the timeout: not after a connection was dropped
+        stalled.settimeout(5)
+        assert stalled.recv(1) == b""  # dropped after the timeout
     finally:
+        stop.set()
+        sender.join()
         stalled.close()
+        trickling.close()
         server.shutdown()
         server.server_close()

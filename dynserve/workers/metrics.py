@@ -319,17 +319,18 @@ SCRAPE_CLIENT_TIMEOUT_S = 5.0
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int,
                   client_timeout_s: float = SCRAPE_CLIENT_TIMEOUT_S) -> tuple[Any, int]:
-    """Serve `registry` at http://host:port/metrics from a daemon thread, one scrape at a time, always in
-    Prometheus's text format 0.0.4; returns (server, port bound). `server.shutdown()` stops it. A client that
-    connects and then sends or reads nothing is dropped after `client_timeout_s`: one at a time, a stalled
-    scraper would otherwise hold every later scrape off for good.
+    """Serve `registry` at http://host:port/metrics from daemon threads (one per connection), always in
+    Prometheus's text format 0.0.4; returns (server, port bound). `server.shutdown()` stops it. A connection
+    holds only its own thread: a client that stalls, or trickles bytes that never make a request line (a
+    stale peer that took the port for a worker's channel and sends it frames), holds off no scrape, and is
+    dropped once a read or write waits `client_timeout_s`.
 
-    Why not `prometheus_client.start_http_server`: it starts a thread per request and answers a scraper that
-    accepts OpenMetrics in it, whose writer escapes every label value a character at a time; on a 2-core
-    machine a mocker's 170 samples cost 9.9 ms of the worker's CPU a scrape that way, at one scrape a second
-    most of what an idle worker spends beyond Ray's own (measured 2026-11-29; docs/benchmarks.md). Nothing
-    dynserve reads needs OpenMetrics (no exemplars, no `_created` series)."""
-    from http.server import BaseHTTPRequestHandler, HTTPServer
+    Why not `prometheus_client.start_http_server`: it answers a scraper that accepts OpenMetrics in it, whose
+    writer escapes every label value a character at a time; on a 2-core machine a mocker's 170 samples cost
+    9.9 ms of the worker's CPU a scrape that way, at one scrape a second most of what an idle worker spends
+    beyond Ray's own (measured 2026-11-29; docs/benchmarks.md). Nothing dynserve reads needs OpenMetrics (no
+    exemplars, no `_created` series)."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -350,6 +351,6 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
             pass  # a scrape a second is not news
 
-    server = HTTPServer((host, port), Handler)
+    server = ThreadingHTTPServer((host, port), Handler)  # daemon threads: a held connection never blocks exit
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server, server.server_port
