@@ -370,6 +370,19 @@ def worker(ray_instance: Any) -> Any:
 
 GatewayFactory = Callable[..., Any]
 
+# The gateways `make_gateway` started over workers of their own (`infos` given), stopped at the end of the module
+# that started them: once that module's workers are gone, such a gateway still connects to their ports every
+# 0.5 s and sends them its channel's frames, whatever server has taken the port since (a later module's
+# worker, or its metrics server).
+_MODULE_GATEWAYS: list[Any] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_modules_gateways() -> Iterator[None]:
+    yield
+    while _MODULE_GATEWAYS:
+        _MODULE_GATEWAYS.pop().stop()
+
 
 @pytest.fixture(scope="session")
 def make_gateway(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
@@ -381,11 +394,14 @@ def make_gateway(request: pytest.FixtureRequest, tokenizer: Any) -> Any:
 
     def factory(infos: list[Any] | None = None, registry: Any = None, **overrides: Any) -> Any:
         settings = Settings(**{"port": 0, **overrides})
+        own = infos is not None
         if infos is None:
             infos = [request.getfixturevalue("worker")[1]]
         app = make_gateway_app(settings, infos, tokenizer, registry=registry)
         server = GatewayServer(app, settings).start()
         servers.append(server)
+        if own:
+            _MODULE_GATEWAYS.append(server)
         _STOP_BEFORE_RAY_SHUTDOWN.append(server.stop)
         return server
 
