@@ -370,9 +370,9 @@ def worker(ray_instance: Any) -> Any:
 
 GatewayFactory = Callable[..., Any]
 
-# The gateways `make_gateway` started over workers of their own (`infos` given), stopped at the end of the module
-# that started them: once that module's workers are gone, such a gateway still connects to their ports every
-# 0.5 s and sends them its channel's frames, whatever server has taken the port since (a later module's
+# The gateways `make_gateway` started over workers of their own (`infos` given), stopped at the end of the
+# module that started them: once that module's workers are gone, such a gateway still connects to their ports
+# every 0.5 s and sends them its channel's frames, whatever server has taken the port since (a later module's
 # worker, or its metrics server).
 _MODULE_GATEWAYS: list[Any] = []
 
