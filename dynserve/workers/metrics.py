@@ -321,9 +321,10 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
                   client_timeout_s: float = SCRAPE_CLIENT_TIMEOUT_S) -> tuple[Any, int]:
     """Serve `registry` at http://host:port/metrics from daemon threads (one per connection), always in
     Prometheus's text format 0.0.4; returns (server, port bound). `server.shutdown()` stops it. A connection
-    holds only its own thread: a client that stalls, or trickles bytes that never make a request line (a
-    stale peer that took the port for a worker's channel and sends it frames), holds off no scrape, and is
-    dropped once a read or write waits `client_timeout_s`.
+    holds only its own thread, so a client that stalls, or trickles bytes that never make a request line (a
+    stale peer that took the port for a worker's channel and sends it frames), holds off no scrape. The
+    timeout is per read or write: a silent client is dropped after `client_timeout_s`; a trickling one keeps
+    its thread until it closes.
 
     Why not `prometheus_client.start_http_server`: it answers a scraper that accepts OpenMetrics in it, whose
     writer escapes every label value a character at a time; on a 2-core machine a mocker's 170 samples cost
