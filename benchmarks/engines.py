@@ -343,6 +343,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     envs = [{"VLLM_CPU_OMP_THREADS_BIND": str(i), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
             for i in range(2)]
     runs = []
+
+    def recorded(**measured: Any) -> dict[str, Any]:
+        """The result (what was measured, under what), written to its file."""
+        result = {"benchmark": "engines", "quick": args.quick, "vllm": version, "commit": git_commit(),
+                  "machine": machine_info(), "plan": asdict(plan), **measured}
+        write_result("engines", result, args.output)
+        return result
+
     with tempfile.TemporaryDirectory(prefix="engines-bench-") as tmp:
         log_dir = Path(tmp)
         log(f"starting two vLLM {version} CPU workers on {model_dir.name}")
@@ -350,22 +358,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             log(f"vLLM ready in {servers[0].ready_s:.0f} s")
             warm_up(servers, model_dir.name)
             if args.floor:
-                measured = floor(servers, model_dir, plan, args.seed, sglang, log_dir, args.floor)
-                result = {"benchmark": "engines", "floor": measured, "vllm": version, "commit": git_commit(),
-                          "machine": machine_info(), "plan": asdict(plan)}
-                write_result("engines", result, args.output)
-                return result
+                return recorded(floor=floor(servers, model_dir, plan, args.seed, sglang, log_dir, args.floor))
             for run in range(args.runs):
                 log(f"run {run + 1} of {args.runs}: {', '.join(phase_order(run))}")
                 runs.append(one_run(servers, model_dir, plan, args.seed + run, sglang, log_dir,
                                     num_c1=40 if args.quick else 200, order=phase_order(run)))
     keys = ("ttft_ratio_rr_over_kv", "ttft_ratio_sglang_over_kv", "vllm_cache_hit_rate_kv", "added_p50_ms_c1")
-    result: dict[str, Any] = {"benchmark": "engines", "quick": args.quick, "vllm": version, "commit": git_commit(),
-                              "machine": machine_info(), "plan": asdict(plan), "runs": runs,
-                              **{key: statistics.median(r[key] for r in runs) for key in keys}}
-    log("medians: " + json.dumps({key: result[key] for key in keys}))
-    write_result("engines", result, args.output)
-    return result
+    medians = {key: statistics.median(r[key] for r in runs) for key in keys}
+    log("medians: " + json.dumps(medians))
+    return recorded(runs=runs, **medians)
 
 
 if __name__ == "__main__":
