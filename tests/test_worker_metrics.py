@@ -180,7 +180,8 @@ def test_neither_a_stalled_nor_a_trickling_client_holds_off_a_scrape() -> None:
     """One client connects and says nothing; another sends bytes that never make a request line (as a stale
     peer that took the port for a worker's channel sends it frames), more often than the client timeout, so
     no read of it ever times out. A scrape behind both is answered (one server thread for all never answered
-    it: a ReadTimeout), and the silent client is dropped after the timeout."""
+    it: a ReadTimeout), the silent client is dropped after the timeout, and the trickling one when its
+    request's deadline is up (a timeout per read kept it, and its thread, for as long as it trickled)."""
     import socket
     import time
 
@@ -210,10 +211,61 @@ def test_neither_a_stalled_nor_a_trickling_client_holds_off_a_scrape() -> None:
         assert time.monotonic() - start_s < 5
         stalled.settimeout(5)
         assert stalled.recv(1) == b""  # dropped after the timeout
+        assert _closed_by_peer(trickling, within_s=5)  # its request's deadline: 0.5 s from its first byte
     finally:
         stop.set()
         sender.join()
         stalled.close()
         trickling.close()
+        server.shutdown()
+        server.server_close()
+
+
+def _closed_by_peer(sock: Any, within_s: float) -> bool:
+    """Whether the other end closes `sock` within `within_s` (what we had not read may make it a reset)."""
+    import socket
+
+    sock.settimeout(within_s)
+    try:
+        while sock.recv(4096):
+            pass
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except socket.timeout:
+        return False
+    return True
+
+
+def test_a_connection_over_the_cap_is_closed_and_a_scrape_comes_once_one_ends() -> None:
+    """At most `max_connections` connections are served at once: one more is closed as it comes (not queued
+    on a thread of its own), and once a held one ends a scrape is answered again."""
+    import socket
+    import time
+
+    from dynserve.workers.metrics import serve_metrics
+
+    registry = CollectorRegistry()
+    Histogram("probe_seconds", "a series to serve", registry=registry).observe(0.1)
+    server, port = serve_metrics(registry, "127.0.0.1", 0, client_timeout_s=30, max_connections=2)
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+    try:
+        over = socket.create_connection(("127.0.0.1", port))
+        try:
+            assert _closed_by_peer(over, within_s=5)
+        finally:
+            over.close()
+        held.pop().close()  # its thread sees the end and gives its slot back
+        deadline_s = time.monotonic() + 5
+        while True:
+            try:
+                response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                break
+            except httpx.TransportError:  # closed as it came: the slot was not back yet
+                assert time.monotonic() < deadline_s, "no scrape answered after a held connection ended"
+                time.sleep(0.05)
+        assert response.status_code == 200 and "probe_seconds_count 1.0" in response.text
+    finally:
+        for sock in held:
+            sock.close()
         server.shutdown()
         server.server_close()

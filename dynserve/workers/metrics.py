@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -312,31 +314,69 @@ class _Collector:
         return self._metrics.collect()
 
 
-# How long the worker's metrics server waits on a scraper's connection before it drops it
-# (the fleet's Prometheus scrapes every 5 s: `Settings.scrape_interval_s`)
+# How long the worker's metrics server waits on a scraper: for the whole of each request (its line and
+# headers, from when the server starts to wait for it), and for each write of the answer (the fleet's
+# Prometheus scrapes every 5 s: `Settings.scrape_interval_s`)
 SCRAPE_CLIENT_TIMEOUT_S = 5.0
+# How many connections the worker's metrics server serves at once; one more is closed as it comes (a
+# Prometheus keeps one, a `dynctl top` or a person's curl another)
+MAX_SCRAPE_CONNECTIONS = 16
+
+
+class _DeadlineReader(socket.SocketIO):
+    """A connection's reading side that gives each request one deadline in all, not a timeout per read: a
+    client that trickles bytes is cut off when its request's time is up. Each read waits for what is left of
+    it; the socket's timeout is then put back to `timeout_s` for the writes of the answer."""
+
+    def __init__(self, sock: socket.socket, timeout_s: float) -> None:
+        super().__init__(sock, "rb")
+        self._timeout_s = timeout_s
+        self.deadline_s = time.monotonic() + timeout_s
+
+    def readinto(self, buffer: Any) -> int | None:
+        left_s = self.deadline_s - time.monotonic()
+        if left_s <= 0:
+            raise TimeoutError("the request was not read whole within its deadline")
+        self._sock.settimeout(left_s)  # type: ignore[attr-defined]
+        try:
+            return super().readinto(buffer)
+        finally:
+            self._sock.settimeout(self._timeout_s)  # type: ignore[attr-defined]
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int,
-                  client_timeout_s: float = SCRAPE_CLIENT_TIMEOUT_S) -> tuple[Any, int]:
-    """Serve `registry` at http://host:port/metrics from daemon threads (one per connection), always in
-    Prometheus's text format 0.0.4; returns (server, port bound). `server.shutdown()` stops it. A connection
-    holds only its own thread, so a client that stalls, or trickles bytes that never make a request line (a
-    stale peer that took the port for a worker's channel and sends it frames), holds off no scrape. The
-    timeout is per read or write: a silent client is dropped after `client_timeout_s`; a trickling one keeps
-    its thread until it closes.
+                  client_timeout_s: float = SCRAPE_CLIENT_TIMEOUT_S,
+                  max_connections: int = MAX_SCRAPE_CONNECTIONS) -> tuple[Any, int]:
+    """Serve `registry` at http://host:port/metrics from daemon threads (one per connection, at most
+    `max_connections`; one more is closed at once), always in Prometheus's text format 0.0.4; returns
+    (server, port bound). `server.shutdown()` stops it. A connection holds only its own thread, so a client
+    that stalls, or trickles bytes that never make a request line (a stale peer that took the port for a
+    worker's channel and sends it frames), holds off no scrape; and each request must arrive whole within
+    `client_timeout_s` of when the server starts to wait for it, so neither keeps its thread longer than that.
 
     Why not `prometheus_client.start_http_server`: it answers a scraper that accepts OpenMetrics in it, whose
     writer escapes every label value a character at a time; on a 2-core machine a mocker's 170 samples cost
     9.9 ms of the worker's CPU a scrape that way, at one scrape a second most of what an idle worker spends
     beyond Ray's own (measured 2026-11-29; docs/benchmarks.md). Nothing dynserve reads needs OpenMetrics (no
     exemplars, no `_created` series)."""
+    import io
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     class Handler(BaseHTTPRequestHandler):
-        timeout = client_timeout_s  # on the connection's socket: each read and write
+        timeout = client_timeout_s  # on the connection's socket: each write (reads: `_DeadlineReader`)
+        _reader: _DeadlineReader
+
+        def setup(self) -> None:
+            super().setup()
+            self.rfile.close()  # the plain reader's place (and its hold on the socket) goes to ours
+            self._reader = _DeadlineReader(self.connection, client_timeout_s)
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self) -> None:
+            self._reader.deadline_s = time.monotonic() + client_timeout_s
+            super().handle_one_request()
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's name)
             if self.path.split("?", 1)[0] not in ("/metrics", "/"):
@@ -352,6 +392,25 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
             pass  # a scrape a second is not news
 
-    server = ThreadingHTTPServer((host, port), Handler)  # daemon threads: a held connection never blocks exit
+    class Server(ThreadingHTTPServer):  # daemon threads: a held connection never blocks exit
+        slots = threading.BoundedSemaphore(max_connections)
+
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if not self.slots.acquire(blocking=False):
+                self.shutdown_request(request)  # over the cap: closed as it comes
+                return
+            try:
+                super().process_request(request, client_address)
+            except BaseException:
+                self.slots.release()
+                raise
+
+        def process_request_thread(self, request: Any, client_address: Any) -> None:
+            try:
+                super().process_request_thread(request, client_address)
+            finally:
+                self.slots.release()
+
+    server = Server((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server, server.server_port
