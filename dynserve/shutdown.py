@@ -6,20 +6,64 @@ warning naming it. What it guarantees is that the later steps run; the loop's ow
 once more and waits for it, so a step that swallows every cancellation can still keep the process up (the
 warning says which).
 
+A process's steps share one `budget` as well, so their sum is bounded, not only each step: a step's timeout
+is what is left of the budget when that is less, though never under `MIN_STEP_S` (the steps after a spent
+budget, the pools' close among them, still get a moment). The budget's clock starts at its first step, so
+the drain before (the gateway's grace for requests in flight) is not counted in it; a pod's grace period
+covers the two (`operator/builders.py`).
+
 Only the shared language: every part may use it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
-__all__ = ["step"]
+__all__ = ["MIN_STEP_S", "STEPS_BUDGET_S", "budget", "step"]
 
 logger = logging.getLogger("dynserve.shutdown")
+
+# What a process's shutdown steps may take in all (each still bounded by its own timeout), and the least a
+# step gets once that is spent
+STEPS_BUDGET_S = 30.0
+MIN_STEP_S = 2.0
+
+
+class _Budget:
+    def __init__(self, total_s: float) -> None:
+        self.total_s = total_s
+        self.end_s: float | None = None  # set by the first step
+
+    def timeout_s(self, timeout_s: float) -> float:
+        if self.end_s is None:
+            self.end_s = time.monotonic() + self.total_s
+        return min(timeout_s, max(MIN_STEP_S, self.end_s - time.monotonic()))
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("dynserve_shutdown_budget",
+                                                                        default=None)
+
+
+@contextlib.contextmanager
+def budget(total_s: float = STEPS_BUDGET_S) -> Iterator[None]:
+    """The steps run within this block (and in the tasks it starts) share `total_s`, counted from the first of
+    them. Within a budget already running, the outer one goes on (a gateway's steps inside `dynctl serve`'s
+    count against the fleet's)."""
+    if _budget.get() is not None:
+        yield
+        return
+    token = _budget.set(_Budget(total_s))
+    try:
+        yield
+    finally:
+        _budget.reset(token)
+
 
 # Steps left behind, held until they end (the loop holds tasks only weakly) so their end is logged
 _left_behind: set[asyncio.Future[Any]] = set()
@@ -35,7 +79,11 @@ async def step(name: str, awaitable: Awaitable[Any], timeout_s: float) -> bool:
     """Run `awaitable` for at most `timeout_s`; True when it ended in time without an error. Past the
     timeout it is cancelled and not waited for (held until it ends, its error then logged), and a warning
     names `name`; an error it raises is logged, not raised (the steps after it still run). Cancelling `step`
-    itself cancels the step's task too."""
+    itself cancels the step's task too. Within a `budget`, `timeout_s` is at most what is left of it (but at
+    least `MIN_STEP_S`)."""
+    shared = _budget.get()
+    if shared is not None:
+        timeout_s = shared.timeout_s(timeout_s)
     start_s = time.monotonic()
     task = asyncio.ensure_future(awaitable)
     try:
@@ -47,7 +95,7 @@ async def step(name: str, awaitable: Awaitable[Any], timeout_s: float) -> bool:
         task.cancel()
         _left_behind.add(task)
         task.add_done_callback(_reap)
-        logger.warning("shutdown: %s still running after %g s; going on without it", name, timeout_s)
+        logger.warning("shutdown: %s still running after %.1f s; going on without it", name, timeout_s)
         return False
     if task.cancelled():
         logger.warning("shutdown: %s was cancelled", name)

@@ -97,3 +97,41 @@ def test_a_step_left_behind_is_held_and_its_late_error_logged(caplog: pytest.Log
     with caplog.at_level(logging.WARNING, logger="dynserve.shutdown"):
         assert asyncio.run(main()) == (False, 1, 0)
     assert "a step left behind failed at last (ConnectionError('closed under it'))" in caplog.text
+
+
+def test_steps_in_a_budget_share_it_from_the_first_step_on(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Four steps that never end, each allowed 60 s, inside a 1 s budget (and a 100 s one within it, which
+    the outer one overrules): a step's own shorter timeout still wins, the next gets what is left of the
+    budget, and the ones after a spent budget the floor; the time before the first step is not counted."""
+    from dynserve import shutdown
+
+    monkeypatch.setattr(shutdown, "MIN_STEP_S", 0.2)
+
+    async def main() -> list[float]:
+        took = []
+        with shutdown.budget(1.0):
+            await asyncio.sleep(0.5)  # the drain before the steps: not the budget's
+            with shutdown.budget(100.0):
+                for name, timeout_s in (("short", 0.3), ("first", 60.0), ("second", 60.0), ("third", 60.0)):
+                    start_s = time.monotonic()
+                    assert await step(name, asyncio.sleep(3600), timeout_s) is False
+                    took.append(time.monotonic() - start_s)
+        return took
+
+    with caplog.at_level(logging.WARNING, logger="dynserve.shutdown"):
+        short, first, second, third = asyncio.run(main())
+    assert 0.3 <= short < 0.6, short
+    assert first >= 0.5 and 0.95 <= short + first < 1.4, first  # the 1 s budget less the short step's time
+    assert 0.2 <= second < 0.6 and 0.2 <= third < 0.6, (second, third)
+    assert "shutdown: first still running after 0." in caplog.text
+
+
+def test_without_a_budget_each_step_has_its_own_timeout() -> None:
+    async def main() -> float:
+        start_s = time.monotonic()
+        for _ in range(2):
+            await step("slow", asyncio.sleep(3600), 0.3)
+        return time.monotonic() - start_s
+
+    assert 0.6 <= asyncio.run(main()) < 1.5

@@ -35,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
 # How long each shutdown step of `dynctl serve` (the planner, Prometheus, each pool) may take before it is
-# left behind (`shutdown.step`); a pool's close only ends its workers and deregisters them
+# left behind (`shutdown.step`; all of them together: `shutdown.STEPS_BUDGET_S`); a pool's close only ends its
+# workers and deregisters them
 SHUTDOWN_STEP_S = 15.0
 
 
@@ -163,7 +164,8 @@ def serve(settings: Settings) -> int:
     settings = with_fleet_token(settings)
     started_ray = start_ray(settings)
     try:
-        uvloop.run(_serve(settings, tokenizers, check_fit=started_ray))
+        with shutdown.budget():  # the gateway's shutdown steps and the fleet's share one (`shutdown.py`)
+            uvloop.run(_serve(settings, tokenizers, check_fit=started_ray))
         print("dynserve: stopped", file=sys.stderr)
         return EXIT_OK
     finally:

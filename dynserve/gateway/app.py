@@ -98,7 +98,8 @@ def build_app(settings: Settings, backend: Backend, tokenizer: Tokenizer, *, eve
     return Gateway(state, api)
 
 
-# How long each of the lifespan's shutdown steps may take before it is left behind (`shutdown.step`)
+# How long each of the lifespan's shutdown steps may take before it is left behind (`shutdown.step`; all of
+# them together: `shutdown.STEPS_BUDGET_S`, or `dynctl serve`'s budget they share)
 SHUTDOWN_STEP_S = 10.0
 
 
@@ -114,17 +115,19 @@ def _lifespan(settings: Settings, backends: list[Backend], events: EventPlane | 
         following = asyncio.create_task(discovery.run(), name="model-discovery") if discovery else None
         try:
             yield
-        finally:  # each step bounded (`shutdown.step`): one that never ends must not keep the process up
-            if following is not None:
-                following.cancel()
-                await shutdown.step("model discovery", asyncio.gather(following, return_exceptions=True),
+        finally:  # each step bounded (`shutdown.step`), and all of them: none must keep the process up
+            with shutdown.budget():
+                if following is not None:
+                    following.cancel()
+                    await shutdown.step("model discovery", asyncio.gather(following, return_exceptions=True),
+                                        SHUTDOWN_STEP_S)
+                    await shutdown.step("model discovery's registry",
+                                        discovery.close(), SHUTDOWN_STEP_S)  # type: ignore[union-attr]
+                await shutdown.step("KV event consumers", asyncio.gather(*(stop() for stop in stops)),
                                     SHUTDOWN_STEP_S)
-                await shutdown.step("model discovery's registry",
-                                    discovery.close(), SHUTDOWN_STEP_S)  # type: ignore[union-attr]
-            await shutdown.step("KV event consumers", asyncio.gather(*(stop() for stop in stops)),
-                                SHUTDOWN_STEP_S)
-            await shutdown.step("worker connections",
-                                asyncio.gather(*(backend.stop() for backend in backends)), SHUTDOWN_STEP_S)
+                await shutdown.step("worker connections",
+                                    asyncio.gather(*(backend.stop() for backend in backends)),
+                                    SHUTDOWN_STEP_S)
 
     return lifespan
 

@@ -32,9 +32,12 @@ processes on hosts made of network namespaces (`tests/test_operator_pods.py`).
 
 from __future__ import annotations
 
+import contextlib
+import math
 from typing import Any
 
-from dynserve import __version__
+from dynserve import __version__, shutdown
+from dynserve.config import Settings
 from dynserve.operator.commands import (
     PRE_STOP, RAY_PORT, gateway_model_flags, model_dir, model_path, pod_command, pod_env, source_path,
 )
@@ -177,6 +180,24 @@ def _tolerations(tolerations: list[Toleration]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
 
 
+# What a pod's grace period gives beyond the gateway's drain and its shutdown steps' budget
+GRACE_SPARE_S = 10
+
+
+def termination_grace_s(spec: DeploymentSpec) -> int:
+    """A dynserve pod's grace period between SIGTERM and SIGKILL: the gateway's drain of requests in flight
+    (`shutdown_grace_s`, which the spec's `env` may set), its shutdown steps' budget
+    (`shutdown.STEPS_BUDGET_S`: the KV consumers, the worker connections, the planner, the pools), and
+    `GRACE_SPARE_S`; 60 s by default.
+    A value of `DYN_SHUTDOWN_GRACE_S` that is not a number is left to the pod's own settings to refuse."""
+    grace_s = Settings.model_fields["shutdown_grace_s"].default
+    for var in spec.env:
+        if var.name == "DYN_SHUTDOWN_GRACE_S":
+            with contextlib.suppress(ValueError):
+                grace_s = max(0.0, float(var.value))
+    return math.ceil(grace_s + shutdown.STEPS_BUDGET_S + GRACE_SPARE_S)
+
+
 def _pod_spec(name: str, spec: DeploymentSpec, container: dict[str, Any], *, node_selector: dict[str, str],
               tolerations: list[Toleration], service_account: str | None = None,
               model_index: int | None = None) -> dict[str, Any]:
@@ -189,7 +210,8 @@ def _pod_spec(name: str, spec: DeploymentSpec, container: dict[str, Any], *, nod
                  "env": pod_env(spec), "securityContext": CONTAINER_SECURITY, **container}
     # a token only for a pod that talks to the API server (the head, when the planner scales through it)
     pod: dict[str, Any] = {"securityContext": pod_security(spec), "automountServiceAccountToken": service_account
-                           is not None, "containers": [container], "terminationGracePeriodSeconds": 60}
+                           is not None, "containers": [container],
+                           "terminationGracePeriodSeconds": termination_grace_s(spec)}
     fetches = _model_files(spec, model_index, volumes, mounts)
     pod["volumes"], container["volumeMounts"] = volumes, mounts
     if fetches:
