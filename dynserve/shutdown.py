@@ -7,10 +7,12 @@ once more and waits for it, so a step that swallows every cancellation can still
 warning says which).
 
 A process's steps share one `budget` as well, so their sum is bounded, not only each step: a step's timeout
-is what is left of the budget when that is less, though never under `MIN_STEP_S` (the steps after a spent
-budget, the pools' close among them, still get a moment). The budget's clock starts at its first step, so
-the drain before (the gateway's grace for requests in flight) is not counted in it; a pod's grace period
-covers the two (`operator/builders.py`).
+is what is left of the budget when that is less, though not under `MIN_STEP_S` (the steps after a spent
+budget, the pools' close among them, still get a moment): at most the budget plus `MIN_STEP_S` for each step
+after it is spent. The budget's clock starts at its first step, so the drain before (the gateway's grace for
+requests in flight) is not counted in it; hence `step` is for shutting down only (one run inside a budget
+while the process serves would start the clock then). A pod's grace period covers the drain and the steps
+(`operator/builders.py`).
 
 Only the shared language: every part may use it.
 """
@@ -79,8 +81,8 @@ async def step(name: str, awaitable: Awaitable[Any], timeout_s: float) -> bool:
     """Run `awaitable` for at most `timeout_s`; True when it ended in time without an error. Past the
     timeout it is cancelled and not waited for (held until it ends, its error then logged), and a warning
     names `name`; an error it raises is logged, not raised (the steps after it still run). Cancelling `step`
-    itself cancels the step's task too. Within a `budget`, `timeout_s` is at most what is left of it (but at
-    least `MIN_STEP_S`)."""
+    itself cancels the step's task too. Within a `budget`, `timeout_s` is at most what is left of it, or
+    `MIN_STEP_S` once that is less."""
     shared = _budget.get()
     if shared is not None:
         timeout_s = shared.timeout_s(timeout_s)

@@ -242,14 +242,16 @@ def test_memory_defaults_fit_the_model_and_the_spec_wins() -> None:
 
 def test_a_pods_grace_period_covers_the_drain_and_the_shutdown_steps() -> None:
     """SIGKILL must not come before the gateway has drained (`shutdown_grace_s`) and run its shutdown steps
-    (their budget): 20 + 30 + 10 s to spare by default, and more when the spec's env lengthens the drain."""
+    (their budget): 20 + 30 + 20 s to spare by default, more when the spec's env lengthens the drain, and
+    at most a day (`inf` is a drain the settings take)."""
     def graces(spec: dict[str, Any]) -> set[int]:
         children = build_children("smol", NS, parse_deployment(spec))
         return {child["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
                 for child in children if child["kind"] == "Deployment"}
 
-    assert graces({}) == {60}
-    assert graces({"env": [{"name": "DYN_SHUTDOWN_GRACE_S", "value": "90.5"}]}) == {131}
+    assert graces({}) == {70}
+    assert graces({"env": [{"name": "DYN_SHUTDOWN_GRACE_S", "value": "90.5"}]}) == {141}
+    assert graces({"env": [{"name": "DYN_SHUTDOWN_GRACE_S", "value": "inf"}]}) == {86_400}
 
 
 def test_the_network_policy_opens_the_gateway_to_the_namespace_and_the_rest_only_inside() -> None:

@@ -211,7 +211,7 @@ def test_neither_a_stalled_nor_a_trickling_client_holds_off_a_scrape() -> None:
         assert time.monotonic() - start_s < 5
         stalled.settimeout(5)
         assert stalled.recv(1) == b""  # dropped after the timeout
-        assert _closed_by_peer(trickling, within_s=5)  # its request's deadline: 0.5 s from its first byte
+        assert _read_until_closed(trickling, within_s=5) is not None  # its request's deadline: 0.5 s
     finally:
         stop.set()
         sender.join()
@@ -221,24 +221,26 @@ def test_neither_a_stalled_nor_a_trickling_client_holds_off_a_scrape() -> None:
         server.server_close()
 
 
-def _closed_by_peer(sock: Any, within_s: float) -> bool:
-    """Whether the other end closes `sock` within `within_s` (what we had not read may make it a reset)."""
+def _read_until_closed(sock: Any, within_s: float) -> bytes | None:
+    """What the other end sends before it closes `sock`, or None if it does not close it within `within_s`
+    (what we had not read may make the close a reset)."""
     import socket
 
     sock.settimeout(within_s)
+    received = b""
     try:
-        while sock.recv(4096):
-            pass
+        while chunk := sock.recv(4096):
+            received += chunk
     except (ConnectionResetError, BrokenPipeError):
         pass
     except socket.timeout:
-        return False
-    return True
+        return None
+    return received
 
 
-def test_a_connection_over_the_cap_is_closed_and_a_scrape_comes_once_one_ends() -> None:
-    """At most `max_connections` connections are served at once: one more is closed as it comes (not queued
-    on a thread of its own), and once a held one ends a scrape is answered again."""
+def test_a_connection_over_the_cap_is_refused_and_a_scrape_comes_once_one_ends() -> None:
+    """At most `max_connections` connections are served at once: one more is answered 503 and closed as it
+    comes (not queued on a thread of its own), and once a held one ends a scrape is answered again."""
     import socket
     import time
 
@@ -251,7 +253,8 @@ def test_a_connection_over_the_cap_is_closed_and_a_scrape_comes_once_one_ends() 
     try:
         over = socket.create_connection(("127.0.0.1", port))
         try:
-            assert _closed_by_peer(over, within_s=5)
+            answer = _read_until_closed(over, within_s=5)
+            assert answer is not None and answer.startswith(b"HTTP/1.0 503 Service Unavailable\r\n"), answer
         finally:
             over.close()
         held.pop().close()  # its thread sees the end and gives its slot back

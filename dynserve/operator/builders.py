@@ -180,22 +180,27 @@ def _tolerations(tolerations: list[Toleration]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
 
 
-# What a pod's grace period gives beyond the gateway's drain and its shutdown steps' budget
-GRACE_SPARE_S = 10
+# What a pod's grace period gives beyond the gateway's drain and its shutdown steps' budget: the steps run
+# after the budget is spent (`shutdown.MIN_STEP_S` each: at most four in a row in `dynctl serve`), the 2 s the
+# drain waits on the responses it cut, and Ray's own stop
+GRACE_SPARE_S = 20
+# The longest grace period a pod is given, whatever drain the spec asks for (a day)
+MAX_GRACE_S = 86_400
 
 
 def termination_grace_s(spec: DeploymentSpec) -> int:
     """A dynserve pod's grace period between SIGTERM and SIGKILL: the gateway's drain of requests in flight
     (`shutdown_grace_s`, which the spec's `env` may set), its shutdown steps' budget
     (`shutdown.STEPS_BUDGET_S`: the KV consumers, the worker connections, the planner, the pools), and
-    `GRACE_SPARE_S`; 60 s by default.
-    A value of `DYN_SHUTDOWN_GRACE_S` that is not a number is left to the pod's own settings to refuse."""
+    `GRACE_SPARE_S`: 70 s by default, at most `MAX_GRACE_S`. A value of `DYN_SHUTDOWN_GRACE_S` that is not a
+    number is left to the pod's own settings to refuse."""
     grace_s = Settings.model_fields["shutdown_grace_s"].default
     for var in spec.env:
         if var.name == "DYN_SHUTDOWN_GRACE_S":
             with contextlib.suppress(ValueError):
                 grace_s = max(0.0, float(var.value))
-    return math.ceil(grace_s + shutdown.STEPS_BUDGET_S + GRACE_SPARE_S)
+    total_s = grace_s + shutdown.STEPS_BUDGET_S + GRACE_SPARE_S
+    return MAX_GRACE_S if not math.isfinite(total_s) else min(MAX_GRACE_S, math.ceil(total_s))
 
 
 def _pod_spec(name: str, spec: DeploymentSpec, container: dict[str, Any], *, node_selector: dict[str, str],

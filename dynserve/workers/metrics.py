@@ -24,6 +24,7 @@ counters; `promtool check metrics` is clean on the output (tests run it).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import socket
 import sys
@@ -318,9 +319,13 @@ class _Collector:
 # headers, from when the server starts to wait for it), and for each write of the answer (the fleet's
 # Prometheus scrapes every 5 s: `Settings.scrape_interval_s`)
 SCRAPE_CLIENT_TIMEOUT_S = 5.0
-# How many connections the worker's metrics server serves at once; one more is closed as it comes (a
-# Prometheus keeps one, a `dynctl top` or a person's curl another)
+# How many connections the worker's metrics server serves at once; one more is answered 503 and closed as it
+# comes (a Prometheus keeps one, a `dynctl top` or a person's curl another)
 MAX_SCRAPE_CONNECTIONS = 16
+
+
+_OVER_THE_CAP = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n\r\n"
+                 b"too many connections to this worker's metrics server\n")
 
 
 class _DeadlineReader(socket.SocketIO):
@@ -348,11 +353,13 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
                   client_timeout_s: float = SCRAPE_CLIENT_TIMEOUT_S,
                   max_connections: int = MAX_SCRAPE_CONNECTIONS) -> tuple[Any, int]:
     """Serve `registry` at http://host:port/metrics from daemon threads (one per connection, at most
-    `max_connections`; one more is closed at once), always in Prometheus's text format 0.0.4; returns
-    (server, port bound). `server.shutdown()` stops it. A connection holds only its own thread, so a client
-    that stalls, or trickles bytes that never make a request line (a stale peer that took the port for a
-    worker's channel and sends it frames), holds off no scrape; and each request must arrive whole within
-    `client_timeout_s` of when the server starts to wait for it, so neither keeps its thread longer than that.
+    `max_connections`), always in Prometheus's text format 0.0.4; returns (server, port bound).
+    `server.shutdown()` stops it. A connection holds only its own thread, so a client that stalls, or
+    trickles bytes that never make a request line (a stale peer that took the port for a worker's channel and
+    sends it frames), holds off no scrape; and each request must arrive whole within `client_timeout_s` of
+    when the server starts to wait for it (each write of the answer then has as long again), so neither keeps
+    its thread for long. A connection over the cap is answered 503 and closed at once, so the scraper's log
+    says why.
 
     Why not `prometheus_client.start_http_server`: it answers a scraper that accepts OpenMetrics in it, whose
     writer escapes every label value a character at a time; on a 2-core machine a mocker's 170 samples cost
@@ -396,8 +403,10 @@ def serve_metrics(registry: CollectorRegistry, host: str, port: int,
         slots = threading.BoundedSemaphore(max_connections)
 
         def process_request(self, request: Any, client_address: Any) -> None:
-            if not self.slots.acquire(blocking=False):
-                self.shutdown_request(request)  # over the cap: closed as it comes
+            if not self.slots.acquire(blocking=False):  # over the cap: answered and closed as it comes
+                with contextlib.suppress(OSError):  # (a few bytes into an empty socket buffer: no wait)
+                    request.sendall(_OVER_THE_CAP)
+                self.shutdown_request(request)
                 return
             try:
                 super().process_request(request, client_address)
