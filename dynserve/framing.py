@@ -63,17 +63,20 @@ _HELLO = msgspec.msgpack.Decoder(Hello)
 
 
 async def accept_hello(reader: asyncio.StreamReader, cluster_token: str | None,
-                       timeout_s: float = HELLO_TIMEOUT_S) -> bool:
+                       timeout_s: float = HELLO_TIMEOUT_S, *, worker_id: str | None = None) -> bool:
     """Read a server's first frame from a new connection: True when it is a `Hello` presenting
-    `cluster_token` (any `Hello` when the server has no token), False for a wrong or missing token, another
-    frame, garbage, a frame over `MAX_HELLO_BYTES`, or nothing within `timeout_s`. The caller closes the
-    connection on False, having answered nothing."""
+    `cluster_token` (any `Hello` when the server has no token) and, for a server that is a worker
+    (`worker_id`), meant for it or for no one in particular; False for a wrong or missing token, a `Hello`
+    meant for another worker, another frame, garbage, a frame over `MAX_HELLO_BYTES`, or nothing within
+    `timeout_s`. The caller closes the connection on False, having answered nothing."""
     try:
         body = await asyncio.wait_for(read_frame(reader, MAX_HELLO_BYTES), timeout_s)
         if body is None:
             return False
         hello = _HELLO.decode(body)
     except (TimeoutError, ChannelError, OSError, msgspec.DecodeError):
+        return False
+    if worker_id is not None and hello.worker_id not in (None, worker_id):
         return False
     if cluster_token is None:
         return True

@@ -223,13 +223,17 @@ ClientFrame = GenerateRequest | AbortRequest | ReleaseRequest | HandBackRequest 
 
 class Hello(msgspec.Struct, tag="hello"):
     """A client's first frame on an internal socket: the cluster's token (`Settings.cluster_token`; None when
-    the cluster has none). A server with a token serves nothing to a connection whose first frame is not a
-    `Hello` presenting it (`framing.accept_hello`). Its repr hides the token, so logging one leaks nothing."""
+    the cluster has none), and on a worker channel the worker the client means (`worker_id`; None: whoever
+    serves the address). A server with a token serves nothing to a connection whose first frame is not a
+    `Hello` presenting it, and a worker nothing to one meant for another worker (a gone worker's address
+    that a new one took: its requests would run on another engine, perhaps another model)
+    (`framing.accept_hello`). Its repr hides the token, so logging one leaks nothing."""
 
     token: str | None = None
+    worker_id: str | None = None
 
     def __repr__(self) -> str:
-        return f"Hello(token={'<hidden>' if self.token is not None else None})"
+        return f"Hello(token={'<hidden>' if self.token is not None else None}, worker_id={self.worker_id!r})"
 
 
 class DeltaBatch(msgspec.Struct, tag="deltas"):

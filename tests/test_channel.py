@@ -7,6 +7,7 @@ import socket
 import struct
 from typing import Any
 
+import msgspec
 import pytest
 import uvloop
 
@@ -193,6 +194,38 @@ def test_the_frame_writer_keeps_order_across_threads_and_a_backlog_and_closing_i
         server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_at_a_gone_workers_address_serves_none_of_its_requests() -> None:
+    """A channel meant for worker `gone` that reaches another worker at the same address (it took the port
+    since): the worker refuses it, so the request fails over as from a worker that is down (a retry), not
+    runs on another engine; a channel meant for the worker there is served."""
+    from dynserve.config import Settings
+    from dynserve.workers.worker import EngineWorker
+
+    worker = EngineWorker(Settings(mocker="cpu", kv_blocks=64, worker_metrics=False), "here")
+    request = GenerateRequest(request_id="r", token_ids=[1, 2, 3], params=GREEDY)
+
+    async def scenario() -> list[TokenDelta]:
+        info = await worker.start()
+        try:
+            stale = WorkerConnection(msgspec.structs.replace(info, worker_id="gone"))
+            await stale.connect()  # the address answers: the refusal comes as the connection's end
+            with pytest.raises(WorkerUnavailableError):
+                async for _ in stale.generate(request):
+                    pass
+            assert not stale.is_open
+            connection = WorkerConnection(info)
+            await connection.connect()
+            try:
+                return [d async for d in connection.generate(request)]
+            finally:
+                await connection.close()
+        finally:
+            await worker.stop()
+
+    deltas = asyncio.run(scenario())
+    assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 8
 
 
 def test_unreachable_worker_is_unavailable() -> None:

@@ -72,12 +72,13 @@ def _intrusions(request: bytes) -> dict[str, bytes]:
 
 # ---- the hello, as a function -------------------------------------------------------------------------------
 
-async def _accepts(data: bytes, token: str | None, *, eof: bool = True, timeout_s: float = 1.0) -> bool:
+async def _accepts(data: bytes, token: str | None, *, eof: bool = True, timeout_s: float = 1.0,
+                   worker_id: str | None = None) -> bool:
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     if eof:
         reader.feed_eof()
-    return await accept_hello(reader, token, timeout_s=timeout_s)
+    return await accept_hello(reader, token, timeout_s=timeout_s, worker_id=worker_id)
 
 
 def test_a_hello_admits_only_the_cluster_token() -> None:
@@ -90,6 +91,18 @@ def test_a_hello_admits_only_the_cluster_token() -> None:
     assert asyncio.run(_accepts(encode_frame(Hello(None)), None))
     assert asyncio.run(_accepts(encode_frame(Hello(WRONG)), None))
     assert not asyncio.run(_accepts(request, None))
+
+
+def test_a_worker_admits_only_a_hello_meant_for_it_or_for_no_one() -> None:
+    """A hello naming another worker (the client means the worker that had this address before) is refused,
+    with or without a cluster token; one that names no worker (a client from before the field) is not."""
+    for token in (None, TOKEN):
+        assert asyncio.run(_accepts(encode_frame(Hello(token, worker_id="w-a")), token, worker_id="w-a"))
+        assert asyncio.run(_accepts(encode_frame(Hello(token)), token, worker_id="w-a"))
+        assert not asyncio.run(_accepts(encode_frame(Hello(token, worker_id="w-b")), token, worker_id="w-a"))
+    assert not asyncio.run(_accepts(encode_frame(Hello(WRONG, worker_id="w-a")), TOKEN, worker_id="w-a"))
+    # a server that is not one worker (the event plane) takes a hello whatever worker it names
+    assert asyncio.run(_accepts(encode_frame(Hello(TOKEN, worker_id="w-b")), TOKEN))
 
 
 def test_a_silent_or_oversized_hello_is_refused_without_waiting_for_it() -> None:

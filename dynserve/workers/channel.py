@@ -6,9 +6,11 @@ MessagePack frames (`ClientFrame` one way, `WorkerFrame` the other). A worker wr
 engine step per connection, so the per-token cost is paid once per step, not once per request; the client
 side also merges deltas that queue up behind a slow consumer.
 
-A connection opens with the client's `Hello`, carrying the cluster's token (`Settings.cluster_token`); a
-worker that has a token serves nothing on a connection whose first frame is not a `Hello` presenting it
-(`framing.accept_hello`), and closes it. One frame per connection: the data path pays nothing for it.
+A connection opens with the client's `Hello`, carrying the cluster's token (`Settings.cluster_token`) and
+the id of the worker the client means; a worker that has a token serves nothing on a connection whose first
+frame is not a `Hello` presenting it, nor any worker on one meant for another worker (a gone worker's address
+that it took since) (`framing.accept_hello`), and closes it: the client's requests then fail over as from a
+worker that is down. One frame per connection: the data path pays nothing for it.
 
 Invariants: a request's deltas arrive in order and end with exactly one finished delta or one
 `RequestError`; when the connection drops every open stream ends with `WorkerUnavailableError`, and the
@@ -213,7 +215,8 @@ class WorkerConnection:
                 worker_id=self.worker_id,
             ) from exc
         keep_alive(self._writer.get_extra_info("socket"))  # a worker whose machine vanished is an error
-        self._writer.write(encode_frame(Hello(cluster_token)))  # the first frame, before any request
+        # the first frame, before any request; naming the worker, so that another one at its address refuses
+        self._writer.write(encode_frame(Hello(cluster_token, worker_id=self.worker_id)))
         self._closed_reason = None  # (asyncio and uvloop turn Nagle off on every TCP stream themselves)
         self._reader_task = asyncio.create_task(self._read_loop(), name=f"channel-{self.worker_id}")
 

@@ -309,9 +309,11 @@ class EngineWorker:
         self._runner.submit(request, sink)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not await accept_hello(reader, self._settings.secret("cluster_token")):
+        if not await accept_hello(reader, self._settings.secret("cluster_token"), worker_id=self.worker_id):
             peer = writer.get_extra_info("peername")
-            logger.warning("worker %s: refused a channel connection from %s (no hello with the cluster token)",
+            logger.warning("worker %s: refused a channel connection from %s (no hello with the cluster "
+                           "token, or one meant for another worker: a gone one whose address this worker has "
+                           "now)",
                            self.worker_id, peer[0] if peer else "an unknown address")
             writer.close()
             return
