@@ -5,7 +5,9 @@ each message is a 4-byte big-endian length, then that many bytes of MessagePack.
 Admission: a stream's first frame is the client's `Hello` (`protocol.py`). A server that has the cluster's
 token serves a connection only once `accept_hello` found that token in it (compared in constant time), read
 within `HELLO_TIMEOUT_S` and at most `MAX_HELLO_BYTES` long, so a stranger can neither make it answer nor
-make it hold a large buffer; one extra frame per connection, nothing per message.
+make it hold a large buffer; one extra frame per connection, nothing per message. A worker also refuses a
+`Hello` that names another worker (`meant_for`): a gateway still reconnecting to a gone worker's address,
+which this one took since.
 
 Liveness: `keep_alive` sets TCP keepalive (and a user timeout for unacknowledged data) on such a stream, so a
 peer whose machine vanished without closing its connections (power, network) is noticed within
@@ -26,7 +28,7 @@ from dynserve.errors import ChannelError
 from dynserve.protocol import Hello
 
 __all__ = ["DEAD_PEER_S", "HELLO_TIMEOUT_S", "MAX_FRAME_BYTES", "MAX_HELLO_BYTES", "accept_hello", "encode_frame",
-           "keep_alive", "read_frame"]
+           "keep_alive", "meant_for", "read_frame", "read_hello"]
 
 MAX_FRAME_BYTES = 64 * 2**20
 MAX_HELLO_BYTES = 1024  # a first frame, read before the peer is trusted
@@ -62,25 +64,38 @@ async def read_frame(reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BY
 _HELLO = msgspec.msgpack.Decoder(Hello)
 
 
-async def accept_hello(reader: asyncio.StreamReader, cluster_token: str | None,
-                       timeout_s: float = HELLO_TIMEOUT_S, *, worker_id: str | None = None) -> bool:
-    """Read a server's first frame from a new connection: True when it is a `Hello` presenting
-    `cluster_token` (any `Hello` when the server has no token) and, for a server that is a worker
-    (`worker_id`), meant for it or for no one in particular; False for a wrong or missing token, a `Hello`
-    meant for another worker, another frame, garbage, a frame over `MAX_HELLO_BYTES`, or nothing within
-    `timeout_s`. The caller closes the connection on False, having answered nothing."""
+async def read_hello(reader: asyncio.StreamReader, cluster_token: str | None,
+                     timeout_s: float = HELLO_TIMEOUT_S) -> Hello | None:
+    """Read a server's first frame from a new connection: the client's `Hello` when it presents
+    `cluster_token` (any `Hello` when the server has no token); None for a wrong or missing token, another
+    frame, garbage, a frame over `MAX_HELLO_BYTES`, or nothing within `timeout_s`. The caller closes the
+    connection on None, having answered nothing."""
     try:
         body = await asyncio.wait_for(read_frame(reader, MAX_HELLO_BYTES), timeout_s)
         if body is None:
-            return False
+            return None
         hello = _HELLO.decode(body)
     except (TimeoutError, ChannelError, OSError, msgspec.DecodeError):
-        return False
-    if worker_id is not None and hello.worker_id not in (None, worker_id):
-        return False
+        return None
     if cluster_token is None:
-        return True
-    return hello.token is not None and hmac.compare_digest(hello.token.encode(), cluster_token.encode())
+        return hello
+    presented = hello.token is not None and hmac.compare_digest(hello.token.encode(), cluster_token.encode())
+    return hello if presented else None
+
+
+async def accept_hello(reader: asyncio.StreamReader, cluster_token: str | None,
+                       timeout_s: float = HELLO_TIMEOUT_S, *, worker_id: str | None = None) -> bool:
+    """`read_hello` as a yes or no: True when the client's `Hello` presents `cluster_token` and, for a server
+    that is a worker (`worker_id`), is meant for it or for no worker in particular (a client from before the
+    field)."""
+    hello = await read_hello(reader, cluster_token, timeout_s)
+    return hello is not None and (worker_id is None or meant_for(hello, worker_id))
+
+
+def meant_for(hello: Hello, worker_id: str) -> bool:
+    """Whether a channel that opened with `hello` is meant for worker `worker_id` (or for no worker in
+    particular)."""
+    return hello.worker_id in (None, worker_id)
 
 
 _KEEPALIVE_IDLE_S, _KEEPALIVE_INTERVAL_S, _KEEPALIVE_PROBES = 2, 1, 3

@@ -196,10 +196,14 @@ def test_the_frame_writer_keeps_order_across_threads_and_a_backlog_and_closing_i
     asyncio.run(scenario())
 
 
-def test_a_worker_at_a_gone_workers_address_serves_none_of_its_requests() -> None:
+def test_a_worker_at_a_gone_workers_address_serves_none_of_its_requests(
+        caplog: pytest.LogCaptureFixture) -> None:
     """A channel meant for worker `gone` that reaches another worker at the same address (it took the port
     since): the worker refuses it, so the request fails over as from a worker that is down (a retry), not
-    runs on another engine; a channel meant for the worker there is served."""
+    runs on another engine; a channel meant for the worker there is served. The gateway would try again each
+    poll: the worker warns once."""
+    import logging
+
     from dynserve.config import Settings
     from dynserve.workers.worker import EngineWorker
 
@@ -209,12 +213,13 @@ def test_a_worker_at_a_gone_workers_address_serves_none_of_its_requests() -> Non
     async def scenario() -> list[TokenDelta]:
         info = await worker.start()
         try:
-            stale = WorkerConnection(msgspec.structs.replace(info, worker_id="gone"))
-            await stale.connect()  # the address answers: the refusal comes as the connection's end
-            with pytest.raises(WorkerUnavailableError):
-                async for _ in stale.generate(request):
-                    pass
-            assert not stale.is_open
+            for _ in range(3):  # as a gateway's poller reconnects
+                stale = WorkerConnection(msgspec.structs.replace(info, worker_id="gone"))
+                await stale.connect()  # the address answers: the refusal comes as the connection's end
+                with pytest.raises(WorkerUnavailableError):
+                    async for _ in stale.generate(request):
+                        pass
+                assert not stale.is_open
             connection = WorkerConnection(info)
             await connection.connect()
             try:
@@ -224,8 +229,11 @@ def test_a_worker_at_a_gone_workers_address_serves_none_of_its_requests() -> Non
         finally:
             await worker.stop()
 
-    deltas = asyncio.run(scenario())
+    with caplog.at_level(logging.DEBUG, logger="dynserve.workers.worker"):
+        deltas = asyncio.run(scenario())
     assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 8
+    refusals = [r.levelno for r in caplog.records if "meant for worker gone" in r.getMessage()]
+    assert refusals == [logging.WARNING, logging.DEBUG, logging.DEBUG]
 
 
 def test_unreachable_worker_is_unavailable() -> None:

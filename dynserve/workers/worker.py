@@ -44,7 +44,7 @@ import msgspec
 
 from dynserve.config import Settings
 from dynserve.errors import ChannelError
-from dynserve.framing import accept_hello, encode_frame, keep_alive, read_frame
+from dynserve.framing import encode_frame, keep_alive, meant_for, read_frame, read_hello
 from dynserve.model.resolve import resolve_model_path
 from dynserve.protocol import (
     MEDIA,
@@ -53,6 +53,7 @@ from dynserve.protocol import (
     DeltaBatch,
     GenerateRequest,
     HandBackRequest,
+    Hello,
     KVEvent,
     KVSnapshot,
     ReleaseRequest,
@@ -168,6 +169,7 @@ class EngineWorker:
         self._info: WorkerInfo | None = None
         self._draining = False
         self._sinks: set[_ConnectionSink] = set()
+        self._refused_meant: set[tuple[str, str | None]] = set()  # (peer, worker meant) already warned of
 
     async def start(self) -> WorkerInfo:
         if self._info is not None:
@@ -308,13 +310,27 @@ class EngineWorker:
             return
         self._runner.submit(request, sink)
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not await accept_hello(reader, self._settings.secret("cluster_token"), worker_id=self.worker_id):
-            peer = writer.get_extra_info("peername")
+    def _log_refusal(self, peer: str, hello: Hello | None) -> None:
+        """A refused channel: one without the cluster token is a warning each time; one meant for another
+        worker (a gateway reconnecting to a gone worker's address, each poll until it hears the worker left)
+        a warning the first time from each peer for each worker it means, then debug."""
+        if hello is None:
             logger.warning("worker %s: refused a channel connection from %s (no hello with the cluster "
-                           "token, or one meant for another worker: a gone one whose address this worker has "
-                           "now)",
-                           self.worker_id, peer[0] if peer else "an unknown address")
+                           "token)", self.worker_id, peer)
+            return
+        meant = (peer, hello.worker_id)
+        level = logging.DEBUG if meant in self._refused_meant else logging.WARNING
+        if len(self._refused_meant) >= 1024:  # a bound, not a policy: warn of each afresh
+            self._refused_meant.clear()
+        self._refused_meant.add(meant)
+        logger.log(level, "worker %s: refused a channel connection from %s meant for worker %s (gone; this "
+                   "worker has its address now)", self.worker_id, peer, hello.worker_id)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        hello = await read_hello(reader, self._settings.secret("cluster_token"))
+        if hello is None or not meant_for(hello, self.worker_id):
+            peer = writer.get_extra_info("peername")
+            self._log_refusal(peer[0] if peer else "an unknown address", hello)
             writer.close()
             return
         sink = _ConnectionSink(writer)
