@@ -680,6 +680,35 @@ def test_a_dropped_channel_is_out_of_picking_and_back_after_it_reconnects() -> N
     run(go())
 
 
+def test_a_channel_where_another_worker_answers_is_closed_and_left_down(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Worker a's address answered by worker c (an older worker that took a's port and does not refuse a
+    Hello meant for a): its load names c, so the directory closes the channel, keeps it out of picking and
+    warns once, however many polls reconnect it; b goes on serving."""
+    import logging
+
+    a, b = ScriptedChannel("a"), ScriptedChannel("b")
+    backend, recorder = dispatcher([a, b])
+
+    async def go() -> list[TokenDelta]:
+        await backend.start()
+        try:
+            a.reported = msgspec.structs.replace(a.reported, worker_id="c")
+            for _ in range(3):
+                await backend.directory.poll_once()
+                assert not a.is_open and "a" not in backend.directory.loads
+            assert backend.directory.routable_ids() == ["b"] and ("down", "a") in recorder.events
+            return await collect(backend.generate(request()))
+        finally:
+            await backend.stop()
+
+    with caplog.at_level(logging.DEBUG, logger="dynserve.gateway.directory"):
+        deltas = run(go())
+    assert deltas[-1].finished and b.requests and not a.requests
+    warned = [r.levelno for r in caplog.records if "worker c answers at its address" in r.getMessage()]
+    assert warned[0] == logging.WARNING and set(warned[1:]) == {logging.DEBUG} and len(warned) >= 3
+
+
 # ---- hand-back: queued requests move to a worker that joins ----------------------------------------------
 
 

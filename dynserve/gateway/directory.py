@@ -96,6 +96,7 @@ class WorkerDirectory:
         self._leaving: list[WorkerChannel] = []  # left the directory, still finishing streams
         self._identity: WorkerInfo | None = infos[0] if infos else None
         self._load_seen_s: dict[str, float] = {}
+        self._strangers: set[tuple[str, str]] = set()  # (worker meant, worker that answered) warned of
         self._poll_interval_s, self._registry_interval_s = poll_interval_s, registry_interval_s
         self.registry_grace_s = registry_grace_s
         self._cluster_token = cluster_token
@@ -274,6 +275,9 @@ class WorkerDirectory:
             return
         if self.channels.get(channel.worker_id) is not channel:
             return  # it left while we asked
+        if load.worker_id != channel.worker_id:
+            await self._disown(channel, load.worker_id)
+            return
         self.loads[channel.worker_id] = load
         self._load_seen_s[channel.worker_id] = time.monotonic()
         for observer in self.observers:
@@ -287,6 +291,21 @@ class WorkerDirectory:
             logger.debug("worker %s unreachable: %s", channel.worker_id, exc)
             self._mark_down(channel)
             return False
+
+    async def _disown(self, channel: WorkerChannel, answered: str) -> None:
+        """Another worker answers at `channel`'s address (it took a gone worker's port, and is older than the
+        `Hello` that names the worker meant, which a newer one refuses): close the channel and leave it down,
+        so no more of what is meant for the gone worker goes there (perhaps to another model; what was sent
+        between the reconnection and this load, one poll's answer, may have). Warned of once a pair."""
+        pair = (channel.worker_id, answered)
+        level = logging.DEBUG if pair in self._strangers else logging.WARNING
+        if len(self._strangers) >= 1024:  # a bound, not a policy: warn of each afresh
+            self._strangers.clear()
+        self._strangers.add(pair)
+        logger.log(level, "worker %s: worker %s answers at its address %s:%d; closing the channel",
+                   channel.worker_id, answered, channel.info.host, channel.info.port)
+        await channel.close()
+        self._mark_down(channel)
 
     def _mark_down(self, channel: WorkerChannel) -> None:
         """Out of picking until it answers again: its load goes, and the observers hear it (the dispatcher's
