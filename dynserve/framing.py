@@ -84,17 +84,14 @@ async def read_hello(reader: asyncio.StreamReader, cluster_token: str | None,
 
 
 async def accept_hello(reader: asyncio.StreamReader, cluster_token: str | None,
-                       timeout_s: float = HELLO_TIMEOUT_S, *, worker_id: str | None = None) -> bool:
-    """`read_hello` as a yes or no: True when the client's `Hello` presents `cluster_token` and, for a server
-    that is a worker (`worker_id`), is meant for it or for no worker in particular (a client from before the
-    field)."""
-    hello = await read_hello(reader, cluster_token, timeout_s)
-    return hello is not None and (worker_id is None or meant_for(hello, worker_id))
+                       timeout_s: float = HELLO_TIMEOUT_S) -> bool:
+    """`read_hello` as a yes or no: True when the client's `Hello` presents `cluster_token`."""
+    return await read_hello(reader, cluster_token, timeout_s) is not None
 
 
 def meant_for(hello: Hello, worker_id: str) -> bool:
-    """Whether a channel that opened with `hello` is meant for worker `worker_id` (or for no worker in
-    particular)."""
+    """Whether a channel that opened with `hello` is meant for worker `worker_id`, or for no worker in
+    particular (a client from before `Hello.worker_id`)."""
     return hello.worker_id in (None, worker_id)
 
 

@@ -227,7 +227,7 @@ class Hello(msgspec.Struct, tag="hello"):
     serves the address). A server with a token serves nothing to a connection whose first frame is not a
     `Hello` presenting it, and a worker nothing to one meant for another worker (a gone worker's address
     that a new one took: its requests would run on another engine, perhaps another model)
-    (`framing.accept_hello`). Its repr hides the token, so logging one leaks nothing."""
+    (`framing.read_hello`, `framing.meant_for`). Its repr hides the token, so logging one leaks nothing."""
 
     token: str | None = None
     worker_id: str | None = None

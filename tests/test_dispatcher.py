@@ -683,8 +683,9 @@ def test_a_dropped_channel_is_out_of_picking_and_back_after_it_reconnects() -> N
 def test_a_channel_where_another_worker_answers_is_closed_and_left_down(
         caplog: pytest.LogCaptureFixture) -> None:
     """Worker a's address answered by worker c (an older worker that took a's port and does not refuse a
-    Hello meant for a): its load names c, so the directory closes the channel, keeps it out of picking and
-    warns once, however many polls reconnect it; b goes on serving."""
+    Hello meant for a): its load names c, so the directory closes the channel, keeps it out of picking (also
+    between a reconnection and its load's answer) and warns once, however many polls reconnect it; b goes on
+    serving."""
     import logging
 
     a, b = ScriptedChannel("a"), ScriptedChannel("b")
@@ -698,6 +699,8 @@ def test_a_channel_where_another_worker_answers_is_closed_and_left_down(
                 await backend.directory.poll_once()
                 assert not a.is_open and "a" not in backend.directory.loads
             assert backend.directory.routable_ids() == ["b"] and ("down", "a") in recorder.events
+            a.open = True  # reconnected, its load not answered yet: not picked until it answers as itself
+            assert backend.directory.routable_ids() == ["b"]
             return await collect(backend.generate(request()))
         finally:
             await backend.stop()

@@ -26,7 +26,7 @@ from conftest import lazy_import
 
 from dynserve.config import Settings
 from dynserve.errors import KVTransferError, WorkerUnavailableError
-from dynserve.framing import MAX_HELLO_BYTES, accept_hello, encode_frame
+from dynserve.framing import MAX_HELLO_BYTES, accept_hello, encode_frame, meant_for, read_hello
 from dynserve.protocol import GenerateRequest, Hello, LoadRequest, SamplingParams, WorkerInfo
 from dynserve.workers.channel import WorkerConnection
 
@@ -74,11 +74,16 @@ def _intrusions(request: bytes) -> dict[str, bytes]:
 
 async def _accepts(data: bytes, token: str | None, *, eof: bool = True, timeout_s: float = 1.0,
                    worker_id: str | None = None) -> bool:
+    """Whether a server with `token` admits a connection that sends `data`; one that is worker `worker_id`
+    as a worker does (`read_hello`, then `meant_for`)."""
     reader = asyncio.StreamReader()
     reader.feed_data(data)
     if eof:
         reader.feed_eof()
-    return await accept_hello(reader, token, timeout_s=timeout_s, worker_id=worker_id)
+    if worker_id is None:
+        return await accept_hello(reader, token, timeout_s=timeout_s)
+    hello = await read_hello(reader, token, timeout_s=timeout_s)
+    return hello is not None and meant_for(hello, worker_id)
 
 
 def test_a_hello_admits_only_the_cluster_token() -> None:

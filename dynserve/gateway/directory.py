@@ -33,6 +33,7 @@ from dynserve.errors import WorkerUnavailableError
 from dynserve.events.base import EventPlane
 from dynserve.gateway.backend import BackendObserver, WorkerChannel, make_channel
 from dynserve.protocol import KVSnapshot, WorkerInfo, WorkerLoad
+from dynserve.workers.channel import WarnOnce
 
 __all__ = ["WorkerDirectory", "hand_back_shares", "membership_changes"]
 
@@ -96,7 +97,7 @@ class WorkerDirectory:
         self._leaving: list[WorkerChannel] = []  # left the directory, still finishing streams
         self._identity: WorkerInfo | None = infos[0] if infos else None
         self._load_seen_s: dict[str, float] = {}
-        self._strangers: set[tuple[str, str]] = set()  # (worker meant, worker that answered) warned of
+        self._strangers = WarnOnce()  # (worker meant, worker that answered)
         self._poll_interval_s, self._registry_interval_s = poll_interval_s, registry_interval_s
         self.registry_grace_s = registry_grace_s
         self._cluster_token = cluster_token
@@ -155,8 +156,11 @@ class WorkerDirectory:
                    for wid, c in self.channels.items())
 
     def open_channels(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[WorkerChannel]:
-        """Members whose channel is open, but those in `exclude`: where a new request may go."""
-        return [c for wid, c in self.channels.items() if c.is_open and wid not in exclude]
+        """Members whose channel is open and whose worker has answered a load as itself since it connected,
+        but those in `exclude`: where a new request may go (a reconnection to a gone worker's address that
+        another worker took is never one: `_disown`)."""
+        return [c for wid, c in self.channels.items()
+                if c.is_open and wid in self._load_seen_s and wid not in exclude]
 
     def routable_ids(self) -> list[str]:
         return sorted(c.worker_id for c in self.open_channels())
@@ -284,6 +288,7 @@ class WorkerDirectory:
             observer.on_load(load)
 
     async def _connect(self, channel: WorkerChannel) -> bool:
+        self._load_seen_s.pop(channel.worker_id, None)  # not picked until its worker answers as itself
         try:
             await channel.connect(timeout_s=2.0, cluster_token=self._cluster_token)
             return True
@@ -295,14 +300,10 @@ class WorkerDirectory:
     async def _disown(self, channel: WorkerChannel, answered: str) -> None:
         """Another worker answers at `channel`'s address (it took a gone worker's port, and is older than the
         `Hello` that names the worker meant, which a newer one refuses): close the channel and leave it down,
-        so no more of what is meant for the gone worker goes there (perhaps to another model; what was sent
-        between the reconnection and this load, one poll's answer, may have). Warned of once a pair."""
-        pair = (channel.worker_id, answered)
-        level = logging.DEBUG if pair in self._strangers else logging.WARNING
-        if len(self._strangers) >= 1024:  # a bound, not a policy: warn of each afresh
-            self._strangers.clear()
-        self._strangers.add(pair)
-        logger.log(level, "worker %s: worker %s answers at its address %s:%d; closing the channel",
+        so nothing meant for the gone worker goes there (perhaps to another model): a channel is picked only
+        once its worker has answered as itself since it connected (`open_channels`). Warned of once a pair."""
+        logger.log(self._strangers.level((channel.worker_id, answered)),
+                   "worker %s: worker %s answers at its address %s:%d; closing the channel",
                    channel.worker_id, answered, channel.info.host, channel.info.port)
         await channel.close()
         self._mark_down(channel)

@@ -9,8 +9,8 @@ side also merges deltas that queue up behind a slow consumer.
 A connection opens with the client's `Hello`, carrying the cluster's token (`Settings.cluster_token`) and
 the id of the worker the client means; a worker that has a token serves nothing on a connection whose first
 frame is not a `Hello` presenting it, nor any worker on one meant for another worker (a gone worker's address
-that it took since) (`framing.accept_hello`), and closes it: the client's requests then fail over as from a
-worker that is down. One frame per connection: the data path pays nothing for it.
+that it took since) (`framing.read_hello`, `framing.meant_for`), and closes it: the client's requests then
+fail over as from a worker that is down. One frame per connection: the data path pays nothing for it.
 
 Invariants: a request's deltas arrive in order and end with exactly one finished delta or one
 `RequestError`; when the connection drops every open stream ends with `WorkerUnavailableError`, and the
@@ -52,11 +52,29 @@ from dynserve.protocol import (
     WorkerLoad,
 )
 
-__all__ = ["FrameWriter", "WorkerConnection", "merge_deltas"]
+__all__ = ["FrameWriter", "WarnOnce", "WorkerConnection", "merge_deltas"]
 
 logger = logging.getLogger(__name__)
 
 _WORKER_FRAMES = msgspec.msgpack.Decoder(WorkerFrame)
+
+
+class WarnOnce:
+    """The level to log an event at that repeats each poll (a channel to a gone worker's address, refused
+    by the worker there, or disowned by the gateway): WARNING the first time for a key, DEBUG after. At most
+    `max_keys` are remembered, then all are forgotten (a bound, not a policy: each is warned of afresh)."""
+
+    def __init__(self, max_keys: int = 1024) -> None:
+        self._seen: set[Any] = set()
+        self._max_keys = max_keys
+
+    def level(self, key: Any) -> int:
+        if key in self._seen:
+            return logging.DEBUG
+        if len(self._seen) >= self._max_keys:
+            self._seen.clear()
+        self._seen.add(key)
+        return logging.WARNING
 
 
 def merge_deltas(deltas: list[TokenDelta]) -> TokenDelta:

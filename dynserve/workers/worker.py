@@ -65,7 +65,7 @@ from dynserve.protocol import (
     WorkerInfo,
     WorkerLoad,
 )
-from dynserve.workers.channel import FrameWriter
+from dynserve.workers.channel import FrameWriter, WarnOnce
 from dynserve.workers.ray_start import worker_runtime_env
 from dynserve.workers.registration import Registration
 from dynserve.workers.transfer import WorkerTransfer
@@ -169,7 +169,7 @@ class EngineWorker:
         self._info: WorkerInfo | None = None
         self._draining = False
         self._sinks: set[_ConnectionSink] = set()
-        self._refused_meant: set[tuple[str, str | None]] = set()  # (peer, worker meant) already warned of
+        self._refusals = WarnOnce()  # (peer, worker meant)
 
     async def start(self) -> WorkerInfo:
         if self._info is not None:
@@ -318,13 +318,9 @@ class EngineWorker:
             logger.warning("worker %s: refused a channel connection from %s (no hello with the cluster "
                            "token)", self.worker_id, peer)
             return
-        meant = (peer, hello.worker_id)
-        level = logging.DEBUG if meant in self._refused_meant else logging.WARNING
-        if len(self._refused_meant) >= 1024:  # a bound, not a policy: warn of each afresh
-            self._refused_meant.clear()
-        self._refused_meant.add(meant)
-        logger.log(level, "worker %s: refused a channel connection from %s meant for worker %s (gone; this "
-                   "worker has its address now)", self.worker_id, peer, hello.worker_id)
+        logger.log(self._refusals.level((peer, hello.worker_id)),
+                   "worker %s: refused a channel connection from %s meant for worker %s (gone; this worker "
+                   "has its address now)", self.worker_id, peer, hello.worker_id)
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         hello = await read_hello(reader, self._settings.secret("cluster_token"))
