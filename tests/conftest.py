@@ -565,6 +565,21 @@ def banner_port(banner: str) -> int:
     return int(match.group(1))
 
 
+def read_until_closed(sock: socket.socket, within_s: float) -> bytes | None:
+    """Every byte the other end sends on `sock` before it closes it (a reset counts as a close: what we had
+    not read may make it one), or None when it keeps it open past `within_s`."""
+    sock.settimeout(within_s)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    except TimeoutError:
+        return None
+    return received
+
+
 @contextlib.contextmanager
 def http_get_standin(body: Callable[[], bytes]) -> Iterator[int]:
     """A real HTTP server on a free 127.0.0.1 port answering every GET with `body()` (a stand-in for a peer's

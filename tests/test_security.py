@@ -10,6 +10,7 @@ must close without answering a single byte, and go on serving the fleet's own cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import stat
@@ -22,7 +23,7 @@ import httpx
 import msgspec
 import pydantic
 import pytest
-from conftest import lazy_import
+from conftest import lazy_import, read_until_closed
 
 from dynserve.config import Settings
 from dynserve.errors import KVTransferError, WorkerUnavailableError
@@ -46,14 +47,11 @@ def _namespace() -> str:
 def _answer_to(host: str, port: int, data: bytes, timeout_s: float = 5.0) -> bytes:
     """Every byte the server sends back to `data` before it closes the connection (a reset counts as a
     close); a server that keeps the connection open past `timeout_s` fails the test."""
-    received = b""
     with socket.create_connection((host, port), timeout=timeout_s) as sock:
-        try:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):  # it closed before all was sent
             sock.sendall(data)
-            while chunk := sock.recv(65536):
-                received += chunk
-        except (ConnectionResetError, BrokenPipeError):
-            pass
+        received = read_until_closed(sock, timeout_s)
+    assert received is not None, f"{host}:{port} kept the connection open past {timeout_s} s"
     return received
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import read_until_closed
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -211,7 +212,7 @@ def test_neither_a_stalled_nor_a_trickling_client_holds_off_a_scrape() -> None:
         assert time.monotonic() - start_s < 5
         stalled.settimeout(5)
         assert stalled.recv(1) == b""  # dropped after the timeout
-        assert _read_until_closed(trickling, within_s=5) is not None  # its request's deadline: 0.5 s
+        assert read_until_closed(trickling, within_s=5) is not None  # its request's deadline: 0.5 s
     finally:
         stop.set()
         sender.join()
@@ -219,23 +220,6 @@ def test_neither_a_stalled_nor_a_trickling_client_holds_off_a_scrape() -> None:
         trickling.close()
         server.shutdown()
         server.server_close()
-
-
-def _read_until_closed(sock: Any, within_s: float) -> bytes | None:
-    """What the other end sends before it closes `sock`, or None if it does not close it within `within_s`
-    (what we had not read may make the close a reset)."""
-    import socket
-
-    sock.settimeout(within_s)
-    received = b""
-    try:
-        while chunk := sock.recv(4096):
-            received += chunk
-    except (ConnectionResetError, BrokenPipeError):
-        pass
-    except socket.timeout:
-        return None
-    return received
 
 
 def test_a_connection_over_the_cap_is_refused_and_a_scrape_comes_once_one_ends() -> None:
@@ -253,7 +237,7 @@ def test_a_connection_over_the_cap_is_refused_and_a_scrape_comes_once_one_ends()
     try:
         over = socket.create_connection(("127.0.0.1", port))
         try:
-            answer = _read_until_closed(over, within_s=5)
+            answer = read_until_closed(over, within_s=5)
             assert answer is not None and answer.startswith(b"HTTP/1.0 503 Service Unavailable\r\n"), answer
         finally:
             over.close()
